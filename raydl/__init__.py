@@ -1,0 +1,20 @@
+"""raydl: a drop-in torch ``DataLoader`` whose loading runs as a streaming Ray pipeline.
+
+Example:
+    >>> from raydl import RayDataLoader as DataLoader  # the one-line change
+"""
+
+from raydl.errors import LoaderTimeoutError, RayDLError, StateMismatchError, WorkerDiedError
+from raydl.loader import LoaderOptions, RayDataLoader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LoaderOptions",
+    "LoaderTimeoutError",
+    "RayDLError",
+    "RayDataLoader",
+    "StateMismatchError",
+    "WorkerDiedError",
+    "__version__",
+]

@@ -1,0 +1,366 @@
+"""The per-epoch iterators behind :class:`raydl.RayDataLoader`.
+
+* :class:`MapStyleIterator`: the driver walks torch's (batch) sampler, exactly as
+  torch does, and sends each batch of indices to a Ray actor of the pool,
+  keeping ``num_workers * prefetch_factor`` fetches in flight; batches come
+  back in sampler order (or as they finish with ``in_order=False``).
+* :class:`IterableIterator`: each actor iterates its own copy of an
+  ``IterableDataset`` (sharding itself with ``get_worker_info()``) and the
+  driver takes batches round-robin from the workers, as torch does.
+* :class:`RayDatasetIterator`: a named background thread drives Ray Data's
+  streaming executor for the epoch's plan and hands converted batches over a
+  bounded queue; it stops on ``close()`` and its exceptions are re-raised in
+  the consumer.
+
+All three stop their Ray work on exhaustion, ``close()``, an exception or
+garbage collection.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data._utils import ExceptionWrapper
+from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
+
+from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
+from raydl._internal.plan import EpochPlan
+from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
+from raydl._internal.workers import EXHAUSTED, describe_indices
+from raydl.errors import LoaderTimeoutError, WorkerDiedError
+
+
+def timeout_error(timeout: float) -> LoaderTimeoutError:
+    """torch's wording for a loader that waited ``timeout`` seconds for a batch."""
+    return LoaderTimeoutError(f"DataLoader timed out after {timeout} seconds")
+
+
+class _BaseIterator(Iterator[Any]):
+    """Bookkeeping shared by the epoch iterators: counting, pinning, closing."""
+
+    def __init__(self, *, timeout: float, pin_memory: bool, length: int | None) -> None:
+        self._timeout = timeout
+        self._pin = pin_memory
+        self._length = length
+        self._closed = False
+        self.num_yielded = 0
+
+    def __iter__(self) -> _BaseIterator:
+        return self
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this loader's length is not known in advance")
+        return self._length
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            batch = self._next_batch()
+        except StopIteration:
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        if self._pin:
+            batch = pin_structure(batch)
+        self.num_yielded += 1
+        return batch
+
+    def _next_batch(self) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release this epoch's Ray work; further ``next()`` calls raise ``StopIteration``."""
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _unwrap(result: Any) -> Any:
+    if isinstance(result, ExceptionWrapper):
+        result.reraise()
+    return numpy_to_tensors(result)
+
+
+def _ray_get(ref: Any, timeout: float, what: str, worker_id: int, retries: int) -> Any:
+    """``ray.get`` with torch's timeout error and readable errors for dead workers."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        return ray.get(ref, timeout=timeout if timeout > 0 else None)
+    except GetTimeoutError:
+        raise timeout_error(timeout) from None
+    except RayActorError as err:
+        raise WorkerDiedError(
+            f"Ray worker {worker_id} died while loading {what} "
+            f"(retried {retries} times on a fresh worker; {type(err).__name__}). If this input crashes the worker "
+            "process every time (os._exit, a segfault in a decoder, out of memory), fix or "
+            "remove it; the worker's own log is in Ray's session directory "
+            "(/tmp/ray/session_latest/logs)."
+        ) from err
+    except RayTaskError as err:
+        raise err.as_instanceof_cause() from None
+
+
+class _Fetch:
+    """One batch in flight: its indices, the worker loading it and how often it was retried."""
+
+    __slots__ = ("attempts", "indices", "ref", "worker_id")
+
+    def __init__(self, ref: Any, indices: Any, worker_id: int) -> None:
+        self.ref = ref
+        self.indices = indices
+        self.worker_id = worker_id
+        self.attempts = 0
+
+
+class MapStyleIterator(_BaseIterator):
+    """One epoch over a map-style dataset, fetched by a :class:`WorkerPool`."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        index_iter: Iterator[Any],
+        *,
+        prefetch: int,
+        in_order: bool,
+        timeout: float,
+        pin_memory: bool,
+        length: int | None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
+        self._pool = pool
+        self._index_iter = index_iter
+        self._in_order = in_order
+        self._window = max(1, prefetch * len(pool))
+        self._pending: deque[_Fetch] = deque()
+        self._next_worker = 0
+        self._sampler_done = False
+        self._on_close = on_close
+        self._fill()
+
+    def _fill(self) -> None:
+        while not self._sampler_done and len(self._pending) < self._window:
+            try:
+                indices = next(self._index_iter)
+            except StopIteration:
+                self._sampler_done = True
+                return
+            worker_id = self._next_worker
+            self._next_worker = (self._next_worker + 1) % len(self._pool)
+            ref = self._pool.actors[worker_id].fetch.remote(indices)
+            self._pending.append(_Fetch(ref, indices, worker_id))
+
+    def _next_batch(self) -> Any:
+        from ray.exceptions import RayActorError
+
+        if not self._pending:
+            raise StopIteration
+        fetch = self._pending[0] if self._in_order else self._first_ready()
+        while True:
+            try:
+                result = _ray_get(
+                    fetch.ref,
+                    self._timeout,
+                    describe_indices(fetch.indices),
+                    fetch.worker_id,
+                    fetch.attempts,
+                )
+                break
+            except WorkerDiedError as err:
+                dead = err.__cause__
+                if not isinstance(dead, RayActorError) or fetch.attempts >= MAX_TASK_RETRIES:
+                    raise
+                fetch.attempts += 1
+                self._replace_worker(fetch.worker_id)
+        self._pending.remove(fetch)
+        self._fill()
+        return _unwrap(result)
+
+    def _replace_worker(self, worker_id: int) -> None:
+        """Start a fresh worker and re-submit, in order, every batch the dead one held."""
+        self._pool.restart(worker_id)
+        actor = self._pool.actors[worker_id]
+        for fetch in self._pending:
+            if fetch.worker_id == worker_id:
+                fetch.ref = actor.fetch.remote(fetch.indices)
+
+    def _first_ready(self) -> _Fetch:
+        import ray
+
+        refs = [fetch.ref for fetch in self._pending]
+        ready, _ = ray.wait(refs, num_returns=1, timeout=self._timeout or None)
+        if not ready:
+            raise timeout_error(self._timeout)
+        return self._pending[refs.index(ready[0])]
+
+    def _release(self) -> None:
+        import ray
+
+        for fetch in self._pending:
+            try:
+                ray.cancel(fetch.ref)
+            except Exception:
+                pass
+        self._pending.clear()
+        if self._on_close is not None:
+            self._on_close()
+
+
+class IterableIterator(_BaseIterator):
+    """One epoch over an ``IterableDataset`` whose copies run in a :class:`WorkerPool`."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        *,
+        prefetch: int,
+        timeout: float,
+        pin_memory: bool,
+        length: int | None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        import ray
+
+        super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
+        self._pool = pool
+        self._on_close = on_close
+        ray.get([actor.start_iteration.remote() for actor in pool.actors])
+        self._pending: list[deque[Any]] = [
+            deque(actor.next_batch.remote() for _ in range(max(1, prefetch)))
+            for actor in pool.actors
+        ]
+        self._active = list(range(len(pool)))
+        self._cursor = 0
+
+    def _next_batch(self) -> Any:
+        while self._active:
+            self._cursor %= len(self._active)
+            worker_id = self._active[self._cursor]
+            ref = self._pending[worker_id].popleft()
+            result = _ray_get(ref, self._timeout, "the next batch", worker_id, 0)
+            if isinstance(result, str) and result == EXHAUSTED:
+                self._pending[worker_id].clear()
+                del self._active[self._cursor]
+                continue
+            self._pending[worker_id].append(self._pool.actors[worker_id].next_batch.remote())
+            self._cursor += 1
+            return _unwrap(result)
+        raise StopIteration
+
+    def _release(self) -> None:
+        import ray
+
+        for refs in self._pending:
+            for ref in refs:
+                try:
+                    ray.cancel(ref)
+                except Exception:
+                    pass
+            refs.clear()
+        self._active = []
+        if self._on_close is not None:
+            self._on_close()
+
+
+class _Failure:
+    """An exception raised in the producer thread, carried to the consumer."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_DONE = object()
+
+
+class RayDatasetIterator(_BaseIterator):
+    """One epoch of a Ray Data plan, driven by a background thread."""
+
+    def __init__(
+        self,
+        plan: EpochPlan,
+        *,
+        batch_size: int | None,
+        drop_last: bool,
+        collate_fn: Callable[[Any], Any] | None,
+        prefetch: int,
+        timeout: float,
+        pin_memory: bool,
+        length: int | None,
+        epoch: int,
+    ) -> None:
+        super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._batches = plan.dataset.iter_batches(
+            batch_size=batch_size,
+            batch_format="numpy",
+            drop_last=drop_last,
+            prefetch_batches=max(1, prefetch),
+            local_shuffle_buffer_size=plan.local_shuffle_buffer_size,
+            local_shuffle_seed=plan.local_shuffle_seed,
+        )
+        self._collate = collate_fn if collate_fn is not None else numpy_batch_to_tensors
+        self._thread = threading.Thread(
+            target=self._produce, name=f"raydl-epoch-{epoch}-producer", daemon=True
+        )
+        self._thread.start()
+
+    def _produce(self) -> None:
+        batches = iter(self._batches)
+        try:
+            for batch in batches:
+                if self._stop.is_set():
+                    return
+                self._put(self._collate(batch))
+            self._put(_DONE)
+        except BaseException as err:
+            self._put(_Failure(err))
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # shuts Ray Data's streaming executor down
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _next_batch(self) -> Any:
+        try:
+            item = self._queue.get(timeout=self._timeout if self._timeout > 0 else None)
+        except queue.Empty:
+            raise timeout_error(self._timeout) from None
+        if item is _DONE:
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def _release(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)

@@ -1,0 +1,80 @@
+"""A pool of :class:`~raydl._internal.workers.DatasetWorker` Ray actors.
+
+The dataset is pickled once into the object store; each actor unpickles its
+own copy (writable, as in a torch worker process). The pool holds the
+reference, so a restarted actor can load it again.
+Restarts are raydl's, not Ray's (the actors have ``max_restarts=0``): when a
+map-style worker dies mid-epoch (SIGKILL, OOM), the epoch iterator replaces it
+with :meth:`WorkerPool.restart` and re-submits that worker's in-flight fetches,
+so no batch is lost or duplicated (a fetch is a pure function of its indices).
+Each batch may be retried :data:`MAX_TASK_RETRIES` times, so an input that
+crashes the process every time ends in a :class:`~raydl.errors.WorkerDiedError`
+naming it instead of an endless retry. Iterable workers hold a position in a
+stream that a restart would lose, so their death is reported at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import cloudpickle
+from torch.utils.data import Dataset
+
+from raydl._internal.workers import DatasetWorker, WorkerSpec
+
+#: How often one batch is retried on a fresh worker after the worker loading it died.
+MAX_TASK_RETRIES = 2
+
+
+class WorkerPool:
+    """``num_workers`` actors holding the same dataset and :class:`WorkerSpec`."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        spec: WorkerSpec,
+        *,
+        restartable: bool,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        import ray
+
+        actor_options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+        actor_options.update(options or {})
+        # Nested in a list, the reference reaches the actor unresolved: the actor
+        # unpickles its own writable copy (see DatasetWorker.__init__).
+        self._dataset_ref = ray.put(cloudpickle.dumps(dataset))
+        self._actor_cls = ray.remote(DatasetWorker).options(**actor_options)
+        self.spec = spec
+        self.restartable = restartable
+        self.restarts = 0
+        self.actors = [self._start(i) for i in range(spec.num_workers)]
+
+    def _start(self, worker_id: int) -> Any:
+        return self._actor_cls.remote([self._dataset_ref], worker_id, self.spec)
+
+    def restart(self, worker_id: int) -> None:
+        """Replace a dead worker by a fresh one with the same id (``worker_init_fn`` runs again)."""
+        import ray
+
+        try:
+            ray.kill(self.actors[worker_id], no_restart=True)
+        except Exception:  # it is already gone
+            pass
+        self.actors[worker_id] = self._start(worker_id)
+        self.restarts += 1
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def kill(self) -> None:
+        """Stop every actor now (pending tasks fail; results already fetched stay valid)."""
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead or Ray already shut down
+                pass
+        self.actors = []

@@ -1,0 +1,487 @@
+"""``RayDataLoader``: torch's ``DataLoader`` interface, with the work done on Ray.
+
+Swap one import and keep the training script::
+
+    from raydl import RayDataLoader as DataLoader
+
+See ``docs/design.md`` for how each kind of dataset maps onto Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data.dataloader import _InfiniteConstantSampler
+
+from raydl._internal import cluster
+from raydl._internal.iterators import (
+    IterableIterator,
+    MapStyleIterator,
+    RayDatasetIterator,
+)
+from raydl._internal.plan import SHUFFLE_MODES, plan_epoch
+from raydl._internal.pool import WorkerPool
+from raydl._internal.shuffle import seed_from_torch
+from raydl._internal.workers import WorkerSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["RayDataLoader"]
+
+_FROZEN_ATTRS = (
+    "batch_size",
+    "batch_sampler",
+    "sampler",
+    "drop_last",
+    "dataset",
+    "persistent_workers",
+)
+
+
+def _is_ray_dataset(obj: object) -> bool:
+    cls = type(obj)
+    return any(c.__module__.startswith("ray.data") and c.__name__ == "Dataset" for c in cls.__mro__)
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """raydl's own options (those torch's ``DataLoader`` does not have), validated once.
+
+    Attributes:
+        seed: Base seed of every random choice raydl makes (Ray Data shuffles).
+            ``None``: taken from ``generator`` or drawn from torch's global RNG
+            when the loader is built, so ``torch.manual_seed`` makes runs repeat.
+        shuffle_mode: For ``ray.data.Dataset`` sources with ``shuffle=True``:
+            ``"global"`` (a true all-to-all shuffle each epoch) or ``"blocks"``
+            (random block order plus a local shuffle buffer; cheaper).
+        local_shuffle_buffer_size: Rows in the local buffer of ``"blocks"`` mode
+            (default: ``4 * batch_size``, at least 1024).
+        deterministic: Run Ray Data with ``preserve_order`` so the row order is a
+            pure function of (seed, epoch). ``False`` lets finished blocks overtake.
+        ray_address: Ray cluster to join; else ``RAY_ADDRESS``; else an embedded
+            local instance is started.
+        worker_options: Ray actor options of the dataset workers for torch
+            ``Dataset`` sources, e.g. ``{"num_cpus": 1, "resources": {...}}``.
+    """
+
+    seed: int | None = None
+    shuffle_mode: str = "global"
+    local_shuffle_buffer_size: int | None = None
+    deterministic: bool = True
+    ray_address: str | None = None
+    worker_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed option should be a non-negative int or None, got {self.seed!r}")
+        if self.shuffle_mode not in SHUFFLE_MODES:
+            raise ValueError(
+                f"shuffle_mode option should be one of {SHUFFLE_MODES}, got {self.shuffle_mode!r}"
+            )
+        buffer = self.local_shuffle_buffer_size
+        if buffer is not None and (not isinstance(buffer, int) or buffer < 1):
+            raise ValueError(
+                f"local_shuffle_buffer_size option should be a positive int or None, got {buffer!r}"
+            )
+        if not isinstance(self.worker_options, Mapping):
+            raise TypeError(
+                "worker_options option should be a mapping of Ray actor options, "
+                f"got {type(self.worker_options).__name__}"
+            )
+
+
+class RayDataLoader(Iterable[Any]):
+    """A drop-in ``torch.utils.data.DataLoader`` whose loading runs on a Ray cluster.
+
+    The arguments up to ``in_order`` are torch's, in torch's order, with torch's
+    meaning and torch's errors. Differences:
+
+    * ``num_workers``: the number of Ray actors that run ``__getitem__``/
+      ``__getitems__`` and ``collate_fn`` of a torch ``Dataset``. ``0`` means one
+      actor (the work still leaves the training process); ``get_worker_info()``
+      then reports one worker. Ignored for ``ray.data.Dataset`` sources, whose
+      parallelism is set per stage (``map_batches(num_cpus=..., concurrency=...)``).
+    * ``persistent_workers``: keep the actors (and their dataset state) between
+      epochs; otherwise they are created at ``iter()`` and killed when the epoch
+      ends, like torch's worker processes.
+    * ``prefetch_factor``: batches in flight per actor (default 2), or batches
+      buffered ahead for ``ray.data.Dataset`` sources.
+    * ``multiprocessing_context``: accepted and ignored: there are no subprocesses.
+    * ``timeout``: seconds to wait for any one batch before raising
+      ``LoaderTimeoutError`` (a ``RuntimeError``, torch's wording).
+    * ``ray.data.Dataset`` sources yield ``dict[str, Tensor]`` batches;
+      ``collate_fn`` then receives Ray Data's ``dict[str, numpy.ndarray]`` batch.
+
+    Args:
+        dataset: A map-style or iterable torch ``Dataset``, or a ``ray.data.Dataset``.
+        batch_size: Samples per batch; ``None`` disables automatic batching.
+        shuffle: Reshuffle every epoch.
+        sampler: Index sampler (map-style only), e.g. ``DistributedSampler``.
+        batch_sampler: Sampler of index lists; exclusive with the four above.
+        num_workers: Ray actors for torch datasets (see above).
+        collate_fn: Merges samples into a batch.
+        pin_memory: Pin host batches (when CUDA exists; a warning otherwise).
+        drop_last: Drop the last incomplete batch.
+        timeout: Seconds to wait for a batch, 0 for no limit.
+        worker_init_fn: Called with the worker id in each Ray actor.
+        multiprocessing_context: Ignored.
+        generator: RNG of the default ``RandomSampler`` and of the worker seeds.
+        prefetch_factor: Batches in flight per worker.
+        persistent_workers: Keep the Ray actors across epochs.
+        pin_memory_device: Accepted for compatibility (deprecated in torch).
+        in_order: Return batches in sampler order; ``False`` returns them as they finish.
+        seed: See :class:`LoaderOptions`.
+        shuffle_mode: See :class:`LoaderOptions`.
+        local_shuffle_buffer_size: See :class:`LoaderOptions`.
+        deterministic: See :class:`LoaderOptions`.
+        ray_address: See :class:`LoaderOptions`.
+        worker_options: See :class:`LoaderOptions`.
+
+    Example:
+        >>> import torch
+        >>> from raydl import RayDataLoader as DataLoader
+        >>> data = torch.arange(10).float()
+        >>> loader = DataLoader(data, batch_size=4)  # doctest: +SKIP
+        >>> [b.tolist() for b in loader]  # doctest: +SKIP
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        shuffle_mode: str = "global",
+        local_shuffle_buffer_size: int | None = None,
+        deterministic: bool = True,
+        ray_address: str | None = None,
+        worker_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        # Argument checks and defaults follow torch.utils.data.DataLoader.__init__.
+        if num_workers < 0:
+            raise ValueError(
+                "num_workers option should be non-negative; "
+                "use num_workers=0 to disable multiprocessing."
+            )
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if num_workers == 0 and prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor option could only be specified in multiprocessing."
+                "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+            )
+        if num_workers > 0 and prefetch_factor is None:
+            prefetch_factor = 2
+        elif prefetch_factor is not None and prefetch_factor < 0:
+            raise ValueError("prefetch_factor option should be non-negative")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+
+        self._is_ray_dataset = _is_ray_dataset(dataset)
+        self._is_iterable = isinstance(dataset, IterableDataset)
+        if self._is_iterable or self._is_ray_dataset:
+            kind = "IterableDataset" if self._is_iterable else "ray.data.Dataset"
+            if self._is_iterable and shuffle not in {False, None}:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+                )
+            if sampler is not None:
+                raise ValueError(
+                    f"DataLoader with {kind}: expected unspecified sampler option, but got sampler={sampler}"
+                )
+            if batch_sampler is not None:
+                raise ValueError(
+                    f"DataLoader with {kind}: expected unspecified "
+                    f"batch_sampler option, but got batch_sampler={batch_sampler}"
+                )
+            if self._is_ray_dataset and batch_size is None:
+                raise ValueError(
+                    "DataLoader with ray.data.Dataset: batch_size=None (no automatic batching) "
+                    "is not supported; use batch_size=1 for one row per batch."
+                )
+            shuffle = bool(shuffle)
+        else:
+            shuffle = bool(shuffle)
+
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive "
+                    "with batch_size, shuffle, sampler, and "
+                    "drop_last"
+                )
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError(
+                "batch_size=None option disables auto-batching "
+                "and is mutually exclusive with drop_last"
+            )
+
+        if self._is_iterable:
+            sampler = _InfiniteConstantSampler()
+        elif sampler is None and not self._is_ray_dataset:
+            if shuffle:
+                sampler = RandomSampler(dataset, generator=generator)
+            else:
+                sampler = SequentialSampler(dataset)
+        if batch_size is not None and batch_sampler is None and sampler is not None:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+
+        self.options = LoaderOptions(
+            seed=seed,
+            shuffle_mode=shuffle_mode,
+            local_shuffle_buffer_size=local_shuffle_buffer_size,
+            deterministic=deterministic,
+            ray_address=ray_address,
+            worker_options=dict(worker_options or {}),
+        )
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.in_order = in_order
+        self.shuffle = shuffle
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.generator = generator
+        if collate_fn is None and not self._is_ray_dataset:
+            collate_fn = default_collate if self._auto_collation else default_convert
+        self.collate_fn = collate_fn
+        self.persistent_workers = persistent_workers
+
+        self._base_seed = seed if seed is not None else self._default_seed(generator)
+        self._next_epoch = 0
+        self._pool: WorkerPool | None = None
+        self._iterator: Any = None
+        self._pin_warned = False
+        self._initialized = True
+
+    def _default_seed(self, generator: torch.Generator | None) -> int:
+        # Only Ray Data shuffles use this seed; torch datasets take their order from
+        # the sampler exactly as torch does, so their RNG streams are not touched here.
+        if not (self._is_ray_dataset and self.shuffle):
+            return 0
+        if generator is not None:
+            return generator.initial_seed() & (2**31 - 1)
+        return seed_from_torch(None)
+
+    def __setattr__(self, attr: str, val: Any) -> None:
+        if getattr(self, "_initialized", False) and attr in _FROZEN_ATTRS:
+            raise ValueError(
+                f"{attr} attribute should not be set after {self.__class__.__name__} is initialized"
+            )
+        super().__setattr__(attr, val)
+
+    # torch's DataLoader exposes these two; some training code reads them.
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` will run (counts ``iter()`` calls unless set)."""
+        return self._next_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fix the epoch of the next ``iter()``: it selects the Ray Data shuffle order.
+
+        Map-style datasets take their order from the sampler (call
+        ``loader.sampler.set_epoch`` for a ``DistributedSampler``, as with torch).
+        """
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch should be a non-negative int, got {epoch!r}")
+        self._next_epoch = epoch
+
+    def __len__(self) -> int:
+        if self._is_ray_dataset:
+            rows = self.dataset._meta_count()
+            if rows is None:
+                raise TypeError(
+                    "len() of a RayDataLoader over a ray.data.Dataset whose row count is only "
+                    "known after executing it (e.g. after filter or a row-changing map_batches); "
+                    "materialize() the dataset first, or do not call len()."
+                )
+            return self._batches_for(rows)
+        if self._is_iterable:
+            return self._batches_for(len(self.dataset))
+        return len(self._index_sampler)
+
+    def _batches_for(self, rows: int) -> int:
+        if self.batch_size is None:
+            return rows
+        if self.drop_last:
+            return rows // self.batch_size
+        return math.ceil(rows / self.batch_size)
+
+    def _length_or_none(self) -> int | None:
+        try:
+            return len(self)
+        except TypeError:
+            return None
+
+    def __iter__(self) -> Iterator[Any]:
+        self._close_iterator()
+        cluster.ensure_ray(self.options.ray_address)
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        pin = self._use_pinned_memory()
+        prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
+        if self._is_ray_dataset:
+            options = self.options
+            batch_size = self.batch_size
+            assert batch_size is not None
+            buffer = options.local_shuffle_buffer_size or max(1024, 4 * batch_size)
+            plan = plan_epoch(
+                self.dataset,
+                shuffle=self.shuffle,
+                shuffle_mode=options.shuffle_mode,
+                local_shuffle_buffer_size=buffer,
+                seed=self._base_seed,
+                epoch=epoch,
+                deterministic=options.deterministic,
+            )
+            self._iterator = RayDatasetIterator(
+                plan,
+                batch_size=batch_size,
+                drop_last=self.drop_last,
+                collate_fn=self.collate_fn,
+                prefetch=prefetch,
+                timeout=self.timeout,
+                pin_memory=pin,
+                length=self._length_or_none(),
+                epoch=epoch,
+            )
+            return self._iterator
+
+        # torch draws the sampler iterator, then the workers' base seed, in this order.
+        index_iter = iter(self._index_sampler) if not self._is_iterable else None
+        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        pool = self._get_pool(base_seed)
+        on_close = None if self.persistent_workers else self._drop_pool
+        if self._is_iterable:
+            self._iterator = IterableIterator(
+                pool,
+                prefetch=prefetch,
+                timeout=self.timeout,
+                pin_memory=pin,
+                length=self._length_or_none(),
+                on_close=on_close,
+            )
+        else:
+            assert index_iter is not None
+            self._iterator = MapStyleIterator(
+                pool,
+                index_iter,
+                prefetch=prefetch,
+                in_order=self.in_order,
+                timeout=self.timeout,
+                pin_memory=pin,
+                length=len(self._index_sampler),
+                on_close=on_close,
+            )
+        return self._iterator
+
+    def _get_pool(self, base_seed: int) -> WorkerPool:
+        if self._pool is not None and self.persistent_workers:
+            return self._pool
+        self._drop_pool()
+        spec = WorkerSpec(
+            num_workers=max(1, self.num_workers),
+            collate_fn=self.collate_fn,
+            auto_collation=self._auto_collation,
+            worker_init_fn=self.worker_init_fn,
+            base_seed=base_seed,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
+        self._pool = WorkerPool(
+            self.dataset,
+            spec,
+            restartable=not self._is_iterable,
+            options=self.options.worker_options,
+        )
+        return self._pool
+
+    def _drop_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.kill()
+
+    def _use_pinned_memory(self) -> bool:
+        if not self.pin_memory:
+            return False
+        if torch.cuda.is_available():
+            return True
+        if not self._pin_warned:
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+            self._pin_warned = True
+        return False
+
+    def _close_iterator(self) -> None:
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None:
+            iterator.close()
+
+    def close(self) -> None:
+        """Stop the current epoch and the Ray actors of this loader (it can be iterated again)."""
+        self._close_iterator()
+        self._drop_pool()
+
+    def __enter__(self) -> RayDataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
