@@ -9,6 +9,7 @@ See ``docs/design.md`` for how each kind of dataset maps onto Ray.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -258,7 +259,7 @@ class RayDataLoader(Iterable[Any]):
             else:
                 sampler = SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None and sampler is not None:
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
 
         self.options = LoaderOptions(
             seed=seed,
@@ -481,7 +482,5 @@ class RayDataLoader(Iterable[Any]):
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass

@@ -43,7 +43,7 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> No
         if token_auth:
             # Ray caches its config when it is imported; re-read it so that a
             # RAY_AUTH_MODE set just now (after an earlier `import ray`) applies.
-            from ray._raylet import Config
+            from ray._raylet import Config  # type: ignore[attr-defined]
 
             Config.initialize("")
         address = address or env.ray_address()

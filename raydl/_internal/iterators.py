@@ -18,6 +18,7 @@ garbage collection.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import deque
@@ -86,10 +87,8 @@ class _BaseIterator(Iterator[Any]):
         raise NotImplementedError
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def _unwrap(result: Any) -> Any:
@@ -216,10 +215,8 @@ class MapStyleIterator(_BaseIterator):
         import ray
 
         for fetch in self._pending:
-            try:
+            with contextlib.suppress(Exception):
                 ray.cancel(fetch.ref)
-            except Exception:
-                pass
         self._pending.clear()
         if self._on_close is not None:
             self._on_close()
@@ -271,10 +268,8 @@ class IterableIterator(_BaseIterator):
 
         for refs in self._pending:
             for ref in refs:
-                try:
+                with contextlib.suppress(Exception):
                     ray.cancel(ref)
-                except Exception:
-                    pass
             refs.clear()
         self._active = []
         if self._on_close is not None:

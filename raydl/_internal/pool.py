@@ -15,6 +15,7 @@ stream that a restart would lose, so their death is reported at once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,10 +59,8 @@ class WorkerPool:
         """Replace a dead worker by a fresh one with the same id (``worker_init_fn`` runs again)."""
         import ray
 
-        try:
+        with contextlib.suppress(Exception):  # it is already gone
             ray.kill(self.actors[worker_id], no_restart=True)
-        except Exception:  # it is already gone
-            pass
         self.actors[worker_id] = self._start(worker_id)
         self.restarts += 1
 
@@ -73,8 +72,6 @@ class WorkerPool:
         import ray
 
         for actor in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already dead, or Ray already shut down
                 ray.kill(actor, no_restart=True)
-            except Exception:  # already dead or Ray already shut down
-                pass
         self.actors = []
