@@ -4,6 +4,7 @@ Example:
     >>> from raydl import RayDataLoader as DataLoader  # the one-line change
 """
 
+from raydl._internal.world import World
 from raydl.errors import LoaderTimeoutError, RayDLError, StateMismatchError, WorkerDiedError
 from raydl.loader import LoaderOptions, RayDataLoader
 
@@ -16,5 +17,6 @@ __all__ = [
     "RayDataLoader",
     "StateMismatchError",
     "WorkerDiedError",
+    "World",
     "__version__",
 ]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import (
     BatchSampler,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -28,6 +29,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from raydl._internal import cluster
+from raydl._internal.device import DevicePrefetcher, resolve_device
 from raydl._internal.iterators import (
     IterableIterator,
     MapStyleIterator,
@@ -37,6 +39,7 @@ from raydl._internal.plan import SHUFFLE_MODES, plan_epoch
 from raydl._internal.pool import WorkerPool
 from raydl._internal.shuffle import seed_from_torch
 from raydl._internal.workers import WorkerSpec
+from raydl._internal.world import Channel, World
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -77,6 +80,11 @@ class LoaderOptions:
             local instance is started.
         worker_options: Ray actor options of the dataset workers for torch
             ``Dataset`` sources, e.g. ``{"num_cpus": 1, "resources": {...}}``.
+        device: Copy batches to this CUDA device on a side stream,
+            ``prefetch_factor`` batches ahead of the training step. ``None`` keeps
+            batches on the host, as torch does. Without CUDA: a warning, host batches.
+        world: This process's rank and world size; ``None`` detects them from
+            ``torch.distributed`` or torchrun's variables.
     """
 
     seed: int | None = None
@@ -85,6 +93,8 @@ class LoaderOptions:
     deterministic: bool = True
     ray_address: str | None = None
     worker_options: Mapping[str, Any] = field(default_factory=dict)
+    device: str | torch.device | int | None = None
+    world: World | None = None
 
     def __post_init__(self) -> None:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
@@ -102,6 +112,10 @@ class LoaderOptions:
             raise TypeError(
                 "worker_options option should be a mapping of Ray actor options, "
                 f"got {type(self.worker_options).__name__}"
+            )
+        if self.world is not None and not isinstance(self.world, World):
+            raise TypeError(
+                f"world option should be a raydl.World or None, got {type(self.world).__name__}"
             )
 
 
@@ -151,6 +165,16 @@ class RayDataLoader(Iterable[Any]):
         deterministic: See :class:`LoaderOptions`.
         ray_address: See :class:`LoaderOptions`.
         worker_options: See :class:`LoaderOptions`.
+        device: See :class:`LoaderOptions`.
+        world: See :class:`LoaderOptions`.
+
+    Under torchrun (several ranks) one Ray cluster and, for ``ray.data.Dataset``
+    sources, one pipeline per epoch serve all ranks: rank 0 splits it with
+    ``streaming_split(world_size, equal=True)``, so every rank gets the same
+    number of rows (up to ``world_size - 1`` rows of an epoch are dropped) and
+    batches. A map-style dataset without a sampler is sharded with a
+    ``DistributedSampler`` (seed ``seed`` or 0, re-seeded each epoch), exactly
+    as if the script had passed one; with a sampler, the sampler decides.
 
     Example:
         >>> import torch
@@ -187,6 +211,8 @@ class RayDataLoader(Iterable[Any]):
         deterministic: bool = True,
         ray_address: str | None = None,
         worker_options: Mapping[str, Any] | None = None,
+        device: str | torch.device | int | None = None,
+        world: World | None = None,
     ) -> None:
         # Argument checks and defaults follow torch.utils.data.DataLoader.__init__.
         if num_workers < 0:
@@ -251,8 +277,34 @@ class RayDataLoader(Iterable[Any]):
                 "and is mutually exclusive with drop_last"
             )
 
+        self.options = LoaderOptions(
+            seed=seed,
+            shuffle_mode=shuffle_mode,
+            local_shuffle_buffer_size=local_shuffle_buffer_size,
+            deterministic=deterministic,
+            ray_address=ray_address,
+            worker_options=dict(worker_options or {}),
+            device=device,
+            world=world,
+        )
+        self._world = world if world is not None else World.detect()
+        self._auto_sharded = False
         if self._is_iterable:
             sampler = _InfiniteConstantSampler()
+        elif (
+            sampler is None
+            and batch_sampler is None
+            and not self._is_ray_dataset
+            and self._world.is_distributed
+        ):
+            sampler = DistributedSampler(
+                dataset,
+                num_replicas=self._world.world_size,
+                rank=self._world.rank,
+                shuffle=shuffle,
+                seed=seed or 0,
+            )
+            self._auto_sharded = True
         elif sampler is None and not self._is_ray_dataset:
             if shuffle:
                 sampler = RandomSampler(dataset, generator=generator)
@@ -261,14 +313,6 @@ class RayDataLoader(Iterable[Any]):
         if batch_size is not None and batch_sampler is None and sampler is not None:
             batch_sampler = BatchSampler(sampler, batch_size, drop_last)
 
-        self.options = LoaderOptions(
-            seed=seed,
-            shuffle_mode=shuffle_mode,
-            local_shuffle_buffer_size=local_shuffle_buffer_size,
-            deterministic=deterministic,
-            ray_address=ray_address,
-            worker_options=dict(worker_options or {}),
-        )
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -293,6 +337,9 @@ class RayDataLoader(Iterable[Any]):
         self._next_epoch = 0
         self._pool: WorkerPool | None = None
         self._iterator: Any = None
+        self._splits: Any = (
+            None  # rank 0: the epoch's split iterators, alive until all ranks end it
+        )
         self._pin_warned = False
         self._initialized = True
 
@@ -345,7 +392,8 @@ class RayDataLoader(Iterable[Any]):
                     "known after executing it (e.g. after filter or a row-changing map_batches); "
                     "materialize() the dataset first, or do not call len()."
                 )
-            return self._batches_for(rows)
+            # streaming_split(equal=True) gives each rank the same share and drops the rest.
+            return self._batches_for(rows // self._world.world_size)
         if self._is_iterable:
             return self._batches_for(len(self.dataset))
         return len(self._index_sampler)
@@ -365,45 +413,89 @@ class RayDataLoader(Iterable[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         self._close_iterator()
-        cluster.ensure_ray(self.options.ray_address)
+        cluster.ensure_ray(self.options.ray_address, world=self._world)
         epoch = self._next_epoch
         self._next_epoch += 1
         pin = self._use_pinned_memory()
         prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
+        iterator: Any
         if self._is_ray_dataset:
-            options = self.options
-            batch_size = self.batch_size
-            assert batch_size is not None
-            buffer = options.local_shuffle_buffer_size or max(1024, 4 * batch_size)
+            iterator = self._iter_ray_dataset(epoch, pin, prefetch)
+        else:
+            iterator = self._iter_torch_dataset(epoch, pin, prefetch)
+        device = resolve_device(self.options.device)
+        if device is not None:
+            iterator = DevicePrefetcher(
+                iterator, device, depth=prefetch, name=f"raydl-epoch-{epoch}-to-{device}"
+            )
+        self._iterator = iterator
+        return iterator
+
+    def _iter_ray_dataset(self, epoch: int, pin: bool, prefetch: int) -> RayDatasetIterator:
+        options = self.options
+        batch_size = self.batch_size
+        assert batch_size is not None  # rejected in __init__
+        world = self._world
+        on_exhausted = None
+        if world.rank == 0:
             plan = plan_epoch(
                 self.dataset,
                 shuffle=self.shuffle,
                 shuffle_mode=options.shuffle_mode,
-                local_shuffle_buffer_size=buffer,
+                local_shuffle_buffer_size=options.local_shuffle_buffer_size
+                or max(1024, 4 * batch_size),
                 seed=self._base_seed,
                 epoch=epoch,
                 deterministic=options.deterministic,
             )
-            self._iterator = RayDatasetIterator(
-                plan,
-                batch_size=batch_size,
-                drop_last=self.drop_last,
-                collate_fn=self.collate_fn,
-                prefetch=prefetch,
-                timeout=self.timeout,
-                pin_memory=pin,
-                length=self._length_or_none(),
-                epoch=epoch,
-            )
-            return self._iterator
+        if world.is_distributed:
+            # Rank 0 plans and splits the epoch; every rank takes its split. The
+            # broadcast is also where rank 0 learns that every rank finished the
+            # previous epoch, so it can let go of the previous splits.
+            channel = Channel.get(world)
+            message = None
+            if world.rank == 0:
+                splits = plan.dataset.streaming_split(world.world_size, equal=True)
+                message = (epoch, splits, plan.local_shuffle_buffer_size, plan.local_shuffle_seed)
+            epoch, splits, buffer, buffer_seed = channel.broadcast(message)
+            self._next_epoch = epoch + 1
+            self._splits = splits if world.rank == 0 else None
+            source = splits[world.rank]
+            if buffer_seed is not None:
+                buffer_seed = (buffer_seed + world.rank) % (2**31 - 1)
+            barrier_timeout = self.timeout if self.timeout > 0 else 1800.0
 
+            def on_exhausted() -> None:
+                channel.barrier(barrier_timeout, f"the end of epoch {epoch}")
+
+        else:
+            source = plan.dataset
+            buffer, buffer_seed = plan.local_shuffle_buffer_size, plan.local_shuffle_seed
+        return RayDatasetIterator(
+            source,
+            local_shuffle_buffer_size=buffer,
+            local_shuffle_seed=buffer_seed,
+            batch_size=batch_size,
+            drop_last=self.drop_last,
+            collate_fn=self.collate_fn,
+            prefetch=prefetch,
+            timeout=self.timeout,
+            pin_memory=pin,
+            length=self._length_or_none(),
+            epoch=epoch,
+            on_exhausted=on_exhausted,
+        )
+
+    def _iter_torch_dataset(self, epoch: int, pin: bool, prefetch: int) -> Any:
+        if self._auto_sharded:
+            self.sampler.set_epoch(epoch)  # type: ignore[union-attr]
         # torch draws the sampler iterator, then the workers' base seed, in this order.
         index_iter = iter(self._index_sampler) if not self._is_iterable else None
         base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         pool = self._get_pool(base_seed)
         on_close = None if self.persistent_workers else self._drop_pool
-        if self._is_iterable:
-            self._iterator = IterableIterator(
+        if index_iter is None:
+            return IterableIterator(
                 pool,
                 prefetch=prefetch,
                 timeout=self.timeout,
@@ -411,19 +503,16 @@ class RayDataLoader(Iterable[Any]):
                 length=self._length_or_none(),
                 on_close=on_close,
             )
-        else:
-            assert index_iter is not None
-            self._iterator = MapStyleIterator(
-                pool,
-                index_iter,
-                prefetch=prefetch,
-                in_order=self.in_order,
-                timeout=self.timeout,
-                pin_memory=pin,
-                length=len(self._index_sampler),
-                on_close=on_close,
-            )
-        return self._iterator
+        return MapStyleIterator(
+            pool,
+            index_iter,
+            prefetch=prefetch,
+            in_order=self.in_order,
+            timeout=self.timeout,
+            pin_memory=pin,
+            length=len(self._index_sampler),
+            on_close=on_close,
+        )
 
     def _get_pool(self, base_seed: int) -> WorkerPool:
         if self._pool is not None and self.persistent_workers:
@@ -474,6 +563,7 @@ class RayDataLoader(Iterable[Any]):
         """Stop the current epoch and the Ray actors of this loader (it can be iterated again)."""
         self._close_iterator()
         self._drop_pool()
+        self._splits = None
 
     def __enter__(self) -> RayDataLoader:
         return self

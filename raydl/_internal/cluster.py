@@ -5,15 +5,29 @@ loader needs it: quietly (Ray's logs go to its session directory, not the
 user's terminal), without the dashboard, and with Ray token authentication on.
 When ``RAY_ADDRESS`` or the loader's ``ray_address`` names a cluster, raydl
 joins it instead. If the user already called ``ray.init``, raydl uses that.
+
+Under torchrun (several ranks, no cluster given) rank 0 starts the embedded
+instance and sends its address and auth token to the other ranks over the
+process group; they join it, so one cluster serves every rank. The embedded
+instance is started without torchrun's variables in its environment, so Ray
+worker processes do not believe they are rank 0. Joiners give up on a vanished
+rank-0 cluster after a few seconds instead of Ray's 60.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import threading
+from collections.abc import Iterator
 
 from raydl._internal import env
+from raydl._internal.world import Channel, World
+
+#: Seconds a joining rank waits for rank 0's cluster to come back before giving up.
+JOINER_RECONNECT_TIMEOUT_S = 5
 
 _lock = threading.Lock()
 _started_by_raydl = False
@@ -24,15 +38,53 @@ def started_by_raydl() -> bool:
     return _started_by_raydl
 
 
-def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
+def ensure_ray(
+    address: str | None = None, *, num_cpus: int | None = None, world: World | None = None
+) -> None:
     """Make sure this process is connected to a Ray cluster.
 
     Args:
         address: Cluster to join; falls back to ``RAY_ADDRESS``; ``None`` starts an
-            embedded local instance.
+            embedded local instance (on rank 0 only, when ``world`` has several ranks).
         num_cpus: CPUs the embedded instance may use (all when ``None``). Ignored
             when joining an existing cluster.
+        world: This process's ranks. With several ranks and no address this is a
+            collective call: every rank must make it.
     """
+    address = address or env.ray_address()
+    if world is not None and world.is_distributed and not address:
+        _ensure_shared_cluster(world, num_cpus)
+        return
+    _ensure_ray(address, num_cpus)
+
+
+def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
+    channel = Channel.get(world)
+    if world.rank == 0:
+        _ensure_ray(None, num_cpus)
+        import ray
+
+        handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
+    else:
+        handshake = None
+    gcs_address, token = channel.broadcast(handshake)
+    if world.rank != 0:
+        if token:
+            os.environ[env.RAY_AUTH_TOKEN] = token
+        os.environ.setdefault(env.JOINER_RECONNECT_TIMEOUT, str(JOINER_RECONNECT_TIMEOUT_S))
+        _ensure_ray(gcs_address, None)
+
+
+@contextlib.contextmanager
+def _without_torchrun_env() -> Iterator[None]:
+    saved = {name: os.environ.pop(name) for name in env.TORCHRUN_VARS if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
     global _started_by_raydl
     with _lock:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
@@ -46,7 +98,6 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> No
             from ray._raylet import Config  # type: ignore[attr-defined]
 
             Config.initialize("")
-        address = address or env.ray_address()
         common = {
             "logging_level": logging.WARNING,
             "log_to_driver": True,
@@ -55,11 +106,12 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> No
         if address:
             ray.init(address=address, **common)  # type: ignore[arg-type]
         else:
-            ray.init(
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                **common,  # type: ignore[arg-type]
-            )
+            with _without_torchrun_env():
+                ray.init(
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    **common,  # type: ignore[arg-type]
+                )
             _started_by_raydl = True
         _quiet_ray_data()
 

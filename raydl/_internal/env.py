@@ -26,3 +26,52 @@ def ensure_token_auth_mode() -> bool:
     """
     mode = os.environ.setdefault(RAY_AUTH_MODE, "token")
     return mode.lower() == "token"
+
+
+#: Variables torchrun sets for each rank; Ray processes started by a rank must not inherit them.
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+
+#: How long a rank that joined rank 0's Ray cluster waits for it to come back (Ray's default: 60 s).
+JOINER_RECONNECT_TIMEOUT = "RAY_gcs_rpc_server_reconnect_timeout_s"
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` from torchrun's variables, or ``None`` outside torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def ray_auth_token() -> str | None:
+    """The token this process authenticates to Ray with, from Ray's sources in Ray's order."""
+    token = os.environ.get(RAY_AUTH_TOKEN)
+    if token:
+        return token
+    path = os.environ.get(RAY_AUTH_TOKEN_PATH) or os.path.expanduser("~/.ray/auth_token")
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

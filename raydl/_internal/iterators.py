@@ -29,7 +29,6 @@ from torch.utils.data._utils import ExceptionWrapper
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
-from raydl._internal.plan import EpochPlan
 from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
 from raydl._internal.workers import EXHAUSTED, describe_indices
 from raydl.errors import LoaderTimeoutError, WorkerDiedError
@@ -43,11 +42,19 @@ def timeout_error(timeout: float) -> LoaderTimeoutError:
 class _BaseIterator(Iterator[Any]):
     """Bookkeeping shared by the epoch iterators: counting, pinning, closing."""
 
-    def __init__(self, *, timeout: float, pin_memory: bool, length: int | None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        pin_memory: bool,
+        length: int | None,
+        on_exhausted: Callable[[], None] | None = None,
+    ) -> None:
         self._timeout = timeout
         self._pin = pin_memory
         self._length = length
         self._closed = False
+        self._on_exhausted = on_exhausted
         self.num_yielded = 0
 
     def __iter__(self) -> _BaseIterator:
@@ -65,6 +72,8 @@ class _BaseIterator(Iterator[Any]):
             batch = self._next_batch()
         except StopIteration:
             self.close()
+            if self._on_exhausted is not None:
+                self._on_exhausted()
             raise
         except BaseException:
             self.close()
@@ -293,8 +302,10 @@ class RayDatasetIterator(_BaseIterator):
 
     def __init__(
         self,
-        plan: EpochPlan,
+        source: Any,
         *,
+        local_shuffle_buffer_size: int | None,
+        local_shuffle_seed: int | None,
         batch_size: int | None,
         drop_last: bool,
         collate_fn: Callable[[Any], Any] | None,
@@ -303,17 +314,21 @@ class RayDatasetIterator(_BaseIterator):
         pin_memory: bool,
         length: int | None,
         epoch: int,
+        on_exhausted: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
+        """``source`` is the epoch's ``ray.data.Dataset`` or this rank's ``DataIterator`` split."""
+        super().__init__(
+            timeout=timeout, pin_memory=pin_memory, length=length, on_exhausted=on_exhausted
+        )
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
-        self._batches = plan.dataset.iter_batches(
+        self._batches = source.iter_batches(
             batch_size=batch_size,
             batch_format="numpy",
             drop_last=drop_last,
             prefetch_batches=max(1, prefetch),
-            local_shuffle_buffer_size=plan.local_shuffle_buffer_size,
-            local_shuffle_seed=plan.local_shuffle_seed,
+            local_shuffle_buffer_size=local_shuffle_buffer_size,
+            local_shuffle_seed=local_shuffle_seed,
         )
         self._collate = collate_fn if collate_fn is not None else numpy_batch_to_tensors
         self._thread = threading.Thread(

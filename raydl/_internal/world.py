@@ -1,0 +1,106 @@
+"""Who this process is in a multi-rank job, and the channel ranks coordinate over.
+
+:class:`World` is a plain value: tests build one by hand; :meth:`World.detect`
+reads an initialised ``torch.distributed`` process group or torchrun's
+variables. :class:`Channel` carries the few messages raydl exchanges between
+ranks (the Ray cluster address, an epoch's split iterators, end-of-epoch
+barriers) over a dedicated gloo group, so it works whatever backend (nccl,
+gloo) the training uses, and its barrier has a timeout that names a dead rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+from raydl._internal import env
+from raydl.errors import RayDLError
+
+
+@dataclass(frozen=True)
+class World:
+    """Rank, world size and local rank of this process.
+
+    Example:
+        >>> World(rank=1, world_size=2).is_distributed
+        True
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank must be in [0, world_size), got rank={self.rank!r}, "
+                f"world_size={self.world_size!r}"
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one rank."""
+        return self.world_size > 1
+
+    @classmethod
+    def detect(cls) -> World:
+        """The world of this process: the process group if initialised, else torchrun's variables."""
+        import torch.distributed as dist
+
+        from_env = env.torchrun_world()
+        local_rank = from_env[2] if from_env else 0
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), local_rank)
+        if from_env is not None:
+            return cls(*from_env)
+        return cls()
+
+
+_channel: Channel | None = None
+
+
+class Channel:
+    """Collective messages between ranks over a gloo group of their own (created once)."""
+
+    def __init__(self, world: World) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RayDLError(
+                f"raydl runs as rank {world.rank} of {world.world_size} but "
+                "torch.distributed is not initialised, so the ranks cannot share one Ray "
+                "cluster and one pipeline; call torch.distributed.init_process_group() before "
+                "iterating the loader (or set RAY_ADDRESS and pass a sampler per rank)."
+            )
+        self.world = world
+        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    @classmethod
+    def get(cls, world: World) -> Channel:
+        """The process-wide channel (every rank creates it at the same point: its first epoch)."""
+        global _channel
+        if _channel is None or _channel.world != world:
+            _channel = cls(world)
+        return _channel
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        import torch.distributed as dist
+
+        box = [obj if self.world.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def barrier(self, timeout_s: float, what: str) -> None:
+        """Wait until every rank got here; fail within ``timeout_s`` naming the missing rank."""
+        import torch.distributed as dist
+
+        try:
+            dist.monitored_barrier(group=self._group, timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as err:
+            raise RayDLError(
+                f"rank {self.world.rank}: not every rank reached {what} within {timeout_s:g} s "
+                f"({err}). A rank has died or fell behind; see its log. Raise the loader's "
+                "`timeout` if ranks legitimately take longer."
+            ) from err
