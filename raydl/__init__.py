@@ -7,6 +7,7 @@ Example:
 from raydl._internal.world import World
 from raydl.errors import LoaderTimeoutError, RayDLError, StateMismatchError, WorkerDiedError
 from raydl.loader import LoaderOptions, RayDataLoader
+from raydl.session import init, shutdown
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,6 @@ __all__ = [
     "WorkerDiedError",
     "World",
     "__version__",
+    "init",
+    "shutdown",
 ]

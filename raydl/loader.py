@@ -459,6 +459,7 @@ class RayDataLoader(Iterable[Any]):
                 message = (epoch, splits, plan.local_shuffle_buffer_size, plan.local_shuffle_seed)
             epoch, splits, buffer, buffer_seed = channel.broadcast(message)
             self._next_epoch = epoch + 1
+            self._retire_splits()
             self._splits = splits if world.rank == 0 else None
             source = splits[world.rank]
             if buffer_seed is not None:
@@ -559,11 +560,28 @@ class RayDataLoader(Iterable[Any]):
         if iterator is not None:
             iterator.close()
 
+    def _retire_splits(self) -> None:
+        """Stop the previous epoch's split coordinator (rank 0 only; it owns it).
+
+        Every rank has moved past that epoch (they all reached this epoch's
+        broadcast, or the loader is closing), so nobody reads from it any more;
+        killing it stops an abandoned epoch's pipeline from holding cluster
+        resources while it waits for readers that will never come.
+        """
+        splits, self._splits = self._splits, None
+        if splits:
+            coordinator = getattr(splits[0], "_coord_actor", None)
+            if coordinator is not None:
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.kill(coordinator)
+
     def close(self) -> None:
         """Stop the current epoch and the Ray actors of this loader (it can be iterated again)."""
         self._close_iterator()
         self._drop_pool()
-        self._splits = None
+        self._retire_splits()
 
     def __enter__(self) -> RayDataLoader:
         return self

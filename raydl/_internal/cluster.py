@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 from raydl._internal import env
 from raydl._internal.world import Channel, World
+from raydl.errors import RayDLError
 
 #: Seconds a joining rank waits for rank 0's cluster to come back before giving up.
 JOINER_RECONNECT_TIMEOUT_S = 5
@@ -69,6 +70,19 @@ def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
         handshake = None
     gcs_address, token = channel.broadcast(handshake)
     if world.rank != 0:
+        import ray
+
+        if ray.is_initialized():
+            mine = ray.get_runtime_context().gcs_address
+            if mine != gcs_address:
+                raise RayDLError(
+                    f"rank {world.rank} is connected to the Ray cluster at {mine}, but rank 0 "
+                    f"runs the job's cluster at {gcs_address}. Something on this rank started "
+                    "Ray before raydl could join rank 0's cluster (ray.data calls such as "
+                    "from_numpy start one implicitly). Call raydl.init() on every rank before "
+                    "creating Ray datasets, or set RAY_ADDRESS to one cluster for all ranks."
+                )
+            return
         if token:
             os.environ[env.RAY_AUTH_TOKEN] = token
         os.environ.setdefault(env.JOINER_RECONNECT_TIMEOUT, str(JOINER_RECONNECT_TIMEOUT_S))
@@ -108,6 +122,7 @@ def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
         else:
             with _without_torchrun_env():
                 ray.init(
+                    address="local",  # a new instance, never another process's cluster
                     num_cpus=num_cpus,
                     include_dashboard=False,
                     **common,  # type: ignore[arg-type]

@@ -54,6 +54,7 @@ def plan_epoch(
 
     ds = Dataset.copy(dataset, _deep_copy=True)  # own DataContext: the user's stays untouched
     ds.context.execution_options.preserve_order = deterministic
+    ds.context.enable_progress_bars = False
     buffer = None
     buffer_seed = None
     if shuffle:

@@ -1,0 +1,288 @@
+"""fsspec filesystems as pyarrow filesystems that Ray Data's readers can use.
+
+Ray Data's file readers take a ``pyarrow.fs.FileSystem``; pyarrow bridges any
+fsspec filesystem with ``PyFileSystem(FSSpecHandler(fs))``. raydl's handler
+(:class:`RemoteHandler`) adds, around every remote call:
+
+* bounded retries with exponential backoff (:class:`RetryPolicy`), so a server
+  that restarts within the budget costs a delay, not the epoch;
+* an error that names the endpoint and the object key when the budget runs out
+  (:class:`RemoteReadError`);
+* optionally, a local disk cache of whole objects (:mod:`raydl._internal.cache`).
+
+The handler is pickled into every Ray read task; it carries only the fsspec
+filesystem (which pickles by its constructor arguments), the policy and the
+cache configuration, so it works in worker processes on any node.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from raydl.errors import RayDLError
+
+if TYPE_CHECKING:
+    import fsspec
+
+    from raydl._internal.cache import DiskCache
+
+__all__ = [
+    "RemoteHandler",
+    "RemoteReadError",
+    "RetryPolicy",
+    "describe_endpoint",
+    "to_pyarrow",
+]
+
+T = TypeVar("T")
+
+# Errors that another attempt cannot fix: the object or the permission is missing.
+_PERMANENT: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+    NotImplementedError,
+)
+
+
+class RemoteReadError(RayDLError, OSError):
+    """A remote read still failed after every retry; the message names endpoint and key.
+
+    Example:
+        >>> issubclass(RemoteReadError, OSError)
+        True
+    """
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how long remote calls are retried before :class:`RemoteReadError`.
+
+    A call is retried on errors other than "not found", "permission denied" and
+    argument errors, with exponential backoff from ``initial_backoff_s`` doubling
+    up to ``max_backoff_s``, until ``attempts`` calls were made or ``deadline_s``
+    seconds have passed since the first one, whichever comes first.
+
+    Attributes:
+        attempts: Calls in all (1 disables retries).
+        initial_backoff_s: Sleep after the first failure.
+        max_backoff_s: Largest sleep between two attempts.
+        deadline_s: Give up once this much time has passed since the first attempt.
+
+    Example:
+        >>> RetryPolicy(attempts=3, deadline_s=5.0).attempts
+        3
+    """
+
+    attempts: int = 8
+    initial_backoff_s: float = 0.25
+    max_backoff_s: float = 4.0
+    deadline_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(
+                f"attempts option should be a positive int (1 disables retries), got {self.attempts!r}"
+            )
+        for name in ("initial_backoff_s", "max_backoff_s", "deadline_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} option should be a non-negative number, got {value!r}")
+
+    def call(self, fn: Callable[[], T], *, what: str, endpoint: str, key: str) -> T:
+        """Run ``fn`` under this policy; raise :class:`RemoteReadError` naming ``endpoint``/``key``."""
+        start = time.monotonic()
+        delay = self.initial_backoff_s
+        jitter = random.Random()  # backoff jitter only; no sample order depends on it
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except _PERMANENT:
+                raise
+            except Exception as err:
+                elapsed = time.monotonic() - start
+                sleep = min(delay, self.max_backoff_s) * (0.5 + jitter.random() / 2)
+                if attempt >= self.attempts or elapsed + sleep > self.deadline_s:
+                    raise RemoteReadError(
+                        f"{what} of key {key!r} at {endpoint} failed after {attempt} attempt(s) "
+                        f"in {elapsed:.1f}s: {type(err).__name__}: {err}. Check that the server "
+                        "is up, or allow more time with retry=RetryPolicy(attempts=..., deadline_s=...)."
+                    ) from err
+                time.sleep(sleep)
+                delay *= 2
+
+
+def describe_endpoint(protocol: str, storage_options: Mapping[str, Any]) -> str:
+    """A human-readable name of where ``protocol`` + ``storage_options`` point, for errors.
+
+    Example:
+        >>> describe_endpoint("s3", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:8333"}})
+        's3 endpoint http://127.0.0.1:8333'
+    """
+    client_kwargs = storage_options.get("client_kwargs") or {}
+    url = (
+        storage_options.get("endpoint_url")
+        or client_kwargs.get("endpoint_url")
+        or storage_options.get("endpoint")
+    )
+    if url:
+        return f"{protocol} endpoint {url}"
+    return f"{protocol}:// (default endpoint)"
+
+
+class _RetryingFile(io.RawIOBase):
+    """A read-only file over an fsspec object that reopens at its offset after a failure."""
+
+    def __init__(self, handler: RemoteHandler, path: str, size: int | None) -> None:
+        super().__init__()
+        self._handler = handler
+        self._path = path
+        self._size = size
+        self._pos = 0
+        self._file: Any = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def size(self) -> int:
+        if self._size is None:
+            self._size = int(self._handler.info(self._path)["size"])
+        return self._size
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        else:
+            pos = self.size() + offset
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos} in {self._path!r}")
+        self._pos = pos
+        return pos
+
+    def _read_once(self, n: int) -> bytes:
+        if self._file is None:
+            self._file = self._handler.fs.open(self._path, mode="rb")
+        try:
+            if self._file.tell() != self._pos:
+                self._file.seek(self._pos)
+            data: bytes = self._file.read(n)
+        except BaseException:
+            self._drop_file()
+            raise
+        return data
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._handler.call(lambda: self._read_once(size), "read", self._path)
+        self._pos += len(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def _drop_file(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except Exception:  # closing a broken connection may fail again; nothing to keep
+                pass
+
+    def close(self) -> None:
+        self._drop_file()
+        super().close()
+
+
+class RemoteHandler(pafs.FSSpecHandler):
+    """``FSSpecHandler`` with retries, endpoint-naming errors and an optional disk cache.
+
+    Args:
+        fs: The fsspec filesystem to read.
+        endpoint: Where ``fs`` points (see :func:`describe_endpoint`), for error messages.
+        retry: The retry policy of every remote call.
+        cache: A disk cache of whole objects, or ``None`` to read remote each time.
+    """
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        *,
+        endpoint: str,
+        retry: RetryPolicy,
+        cache: DiskCache | None = None,
+    ) -> None:
+        super().__init__(fs)
+        self.endpoint = endpoint
+        self.retry = retry
+        self.cache = cache
+
+    def call(self, fn: Callable[[], T], what: str, key: str) -> T:
+        """Run one remote call under the retry policy."""
+        return self.retry.call(fn, what=what, endpoint=self.endpoint, key=key)
+
+    def info(self, path: str) -> dict[str, Any]:
+        """fsspec's ``info`` of ``path``, retried; raises ``FileNotFoundError`` naming the key."""
+        try:
+            info: dict[str, Any] = self.call(lambda: self.fs.info(path), "metadata lookup", path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"no object {path!r} at {self.endpoint}") from err
+        return info
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        return self.call(
+            lambda: super(RemoteHandler, self).get_file_info(paths),
+            "metadata lookup",
+            paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} more)",
+        )
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        return self.call(
+            lambda: super(RemoteHandler, self).get_file_info_selector(selector),
+            "listing",
+            selector.base_dir,
+        )
+
+    def open_input_file(self, path: str) -> pa.NativeFile:
+        info = self.info(path)
+        if info.get("type") == "directory":
+            raise IsADirectoryError(f"{path!r} at {self.endpoint} is a directory, not an object")
+        if self.cache is not None:
+            local = self.cache.fetch(self, path, info)
+            return pa.memory_map(local, "r")
+        size = info.get("size")
+        return pa.PythonFile(
+            _RetryingFile(self, path, None if size is None else int(size)), mode="r"
+        )
+
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        return self.open_input_file(path)
+
+
+def to_pyarrow(handler: RemoteHandler) -> pafs.PyFileSystem:
+    """The pyarrow filesystem that Ray Data's readers take."""
+    return pafs.PyFileSystem(handler)

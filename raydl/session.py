@@ -1,0 +1,46 @@
+"""Connecting this process (and every rank of a torchrun job) to the Ray cluster.
+
+Loaders connect lazily on their first ``iter()``. Call :func:`init` yourself
+first when you build ``ray.data`` datasets before creating the loader: Ray Data
+calls such as ``ray.data.from_numpy`` otherwise start a private Ray instance
+on every rank, and the ranks can no longer share one pipeline.
+"""
+
+from __future__ import annotations
+
+from raydl._internal import cluster
+from raydl._internal.world import World
+
+__all__ = ["init", "shutdown"]
+
+
+def init(
+    address: str | None = None, *, num_cpus: int | None = None, world: World | None = None
+) -> None:
+    """Start or join the Ray cluster raydl runs on; a no-op when already connected.
+
+    Without ``address`` (and without ``RAY_ADDRESS``) an embedded local instance is
+    started, with token authentication on and the dashboard off. Under torchrun
+    this is a collective call: rank 0 starts the instance and the other ranks join
+    it, so it must be called on every rank.
+
+    Args:
+        address: Cluster to join (``"ray://..."`` or ``"host:port"``).
+        num_cpus: CPUs of the embedded instance (default: all of this machine).
+        world: Rank and world size; detected from torch.distributed/torchrun when ``None``.
+
+    Example:
+        >>> import raydl
+        >>> raydl.init(num_cpus=2)  # doctest: +SKIP
+    """
+    cluster.ensure_ray(address, num_cpus=num_cpus, world=world or World.detect())
+
+
+def shutdown() -> None:
+    """Stop the embedded Ray instance if raydl started it (user-managed clusters stay up).
+
+    Example:
+        >>> import raydl
+        >>> raydl.shutdown()  # doctest: +SKIP
+    """
+    cluster.shutdown()
