@@ -1,0 +1,105 @@
+"""A rank script for the multi-rank tests: iterate a RayDataLoader, record what it got.
+
+Launched by torchrun (or by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
+Writes one JSON line per epoch to ``<record>.rank<r>``. With ``--die-after K``
+rank 1 kills itself (SIGKILL) after K batches, to test that rank 0 fails
+cleanly instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import raydl
+
+
+def unequal_files(root: str) -> list[str]:
+    """Parquet files of very unequal size: 1000 rows and 37 rows, ids disjoint."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = []
+    start = 0
+    for i, rows in enumerate([1000, 37, 1000, 37]):
+        ids = np.arange(start, start + rows)
+        path = os.path.join(root, f"part-{i}.parquet")
+        pq.write_table(pa.table({"id": ids, "x": ids.astype(np.float32)}), path)
+        paths.append(path)
+        start += rows
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=33)
+    parser.add_argument("--shuffle-mode", default="blocks")
+    parser.add_argument("--die-after", type=int, default=-1)
+    parser.add_argument("--timeout", type=float, default=0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    raydl.init()
+    import ray.data
+
+    ds = ray.data.read_parquet(sorted(os.path.join(args.data, f) for f in os.listdir(args.data)))
+    loader = raydl.RayDataLoader(
+        ds,
+        batch_size=args.batch_size,
+        shuffle=True,
+        seed=7,
+        shuffle_mode=args.shuffle_mode,
+        local_shuffle_buffer_size=100,
+        timeout=args.timeout,
+    )
+    with open(f"{args.record}.rank{rank}", "w") as out:
+        for epoch in range(args.epochs):
+            ids: list[int] = []
+            batches = 0
+            start = time.monotonic()
+            try:
+                for batch in loader:
+                    ids.extend(batch["id"].tolist())
+                    batches += 1
+                    if rank == 1 and batches == args.die_after:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if args.die_after < 0:
+                        # the step of a DDP job: an all-reduce every batch (when no rank
+                        # dies; otherwise gloo's own error would pre-empt the loader's)
+                        dist.all_reduce(torch.ones(1))
+            except Exception as err:
+                out.write(
+                    json.dumps(
+                        {
+                            "error": f"{type(err).__name__}: {err}",
+                            "after_s": time.monotonic() - start,
+                        }
+                    )
+                    + "\n"
+                )
+                out.flush()
+                sys.stdout.flush()
+                os._exit(3)
+            out.write(json.dumps({"epoch": epoch, "ids": ids, "batches": batches}) + "\n")
+    loader.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--make-data"]:
+        unequal_files(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,165 @@
+"""Multi-rank tests: real torchrun processes (gloo on CPU) sharing one Ray cluster.
+
+Each launch starts rank 0's embedded Ray, so these are slow; they are kept few
+and each checks several properties at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+SCRIPT = HERE / "_consume.py"
+EXAMPLE = REPO / "examples" / "train_ddp.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _torchrun(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _records(prefix: Path) -> dict[int, list[dict]]:
+    return {rank: [json.loads(line) for line in open(f"{prefix}.rank{rank}")] for rank in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def unequal_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("unequal")
+    subprocess.run([sys.executable, str(SCRIPT), "--make-data", str(root)], check=True)
+    return root
+
+
+TOTAL_ROWS = 2 * 1000 + 2 * 37
+
+
+@pytest.mark.timeout(420)
+def test_ray_data_split_is_exact_equal_and_reproducible(unequal_data: Path, tmp_path: Path) -> None:
+    runs = []
+    for run in range(2):
+        prefix = tmp_path / f"run{run}"
+        proc = _torchrun(
+            str(SCRIPT), "--record", str(prefix), "--data", str(unequal_data), timeout=200
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(_records(prefix))
+    first = runs[0]
+    for epoch in range(2):
+        per_rank = [first[rank][epoch] for rank in (0, 1)]
+        # equal batch counts, so the per-step all-reduce completed on both ranks
+        assert per_rank[0]["batches"] == per_rank[1]["batches"]
+        ids = per_rank[0]["ids"] + per_rank[1]["ids"]
+        counts = Counter(ids)
+        assert max(counts.values()) == 1, "a row was delivered twice"
+        # equal=True drops at most world_size - 1 rows of the epoch
+        assert TOTAL_ROWS - 1 <= len(ids) <= TOTAL_ROWS
+        assert len(per_rank[0]["ids"]) == len(per_rank[1]["ids"])
+    # a new order each epoch, the same sequence per rank on a rerun
+    assert first[0][0]["ids"] != first[0][1]["ids"]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_example_with_distributed_sampler_matches_torch_shares(tmp_path: Path) -> None:
+    prefix = tmp_path / "ddp"
+    proc = _torchrun(
+        str(EXAMPLE), "--epochs", "2", "--samples", "1000", "--record", str(prefix), timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = _records(prefix)
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    for epoch in range(2):
+        for rank in (0, 1):
+            sampler = DistributedSampler(
+                range(1000), num_replicas=2, rank=rank, shuffle=True, seed=0
+            )
+            sampler.set_epoch(epoch)
+            assert records[rank][epoch]["ids"] == list(sampler), (epoch, rank)
+    assert torch  # imported for DistributedSampler's RNG
+
+
+@pytest.mark.timeout(240)
+def test_dead_rank_makes_the_other_fail_clearly(unequal_data: Path, tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed mid-epoch; rank 0 must end with an error, not hang.
+
+    Launched by hand (not torchrun, whose agent would SIGTERM rank 0 itself).
+    """
+    port = _free_port()
+    prefix = tmp_path / "dead"
+    procs = []
+    for rank in (0, 1):
+        env = _env() | {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(SCRIPT),
+                    "--record",
+                    str(prefix),
+                    "--data",
+                    str(unequal_data),
+                    "--die-after",
+                    "5",
+                    "--timeout",
+                    "20",
+                    "--epochs",
+                    "1",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    start = time.monotonic()
+    try:
+        procs[0].wait(timeout=180)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == -9
+    assert procs[0].returncode != 0
+    lines = Path(f"{prefix}.rank0").read_text().splitlines()
+    last = json.loads(lines[-1])
+    assert "error" in last, lines
+    assert time.monotonic() - start < 180
