@@ -38,6 +38,7 @@ from raydl._internal.iterators import (
 from raydl._internal.plan import SHUFFLE_MODES, plan_epoch
 from raydl._internal.pool import WorkerPool
 from raydl._internal.shuffle import seed_from_torch
+from raydl._internal.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.workers import WorkerSpec
 from raydl._internal.world import Channel, World
 
@@ -337,9 +338,12 @@ class RayDataLoader(Iterable[Any]):
         self._next_epoch = 0
         self._pool: WorkerPool | None = None
         self._iterator: Any = None
-        self._splits: Any = (
-            None  # rank 0: the epoch's split iterators, alive until all ranks end it
-        )
+        # rank 0: the epoch's split iterators, kept alive until every rank ended the epoch
+        self._splits: Any = None
+        self._epoch_in_progress = 0
+        self._epoch_rng: dict[str, str] | None = None
+        self._epoch_sampler_epoch: int | None = None
+        self._resume: LoaderState | None = None
         self._pin_warned = False
         self._initialized = True
 
@@ -383,6 +387,80 @@ class RayDataLoader(Iterable[Any]):
             raise ValueError(f"epoch should be a non-negative int, got {epoch!r}")
         self._next_epoch = epoch
 
+    def _kind(self) -> str:
+        return "ray" if self._is_ray_dataset else "iterable" if self._is_iterable else "map"
+
+    def _dataset_len(self) -> int | None:
+        if self._is_ray_dataset:
+            return None
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
+    def _capture_rng(self) -> dict[str, str]:
+        if self.generator is not None:
+            return {"source": "generator", "state": encode_rng(self.generator.get_state())}
+        return {"source": "global", "state": encode_rng(torch.get_rng_state())}
+
+    def _restore_rng(self, state: LoaderState) -> None:
+        if state.rng is None:
+            return
+        rng = decode_rng(state.rng["state"])
+        if state.rng["source"] == "generator" and self.generator is not None:
+            self.generator.set_state(rng)
+        elif state.rng["source"] == "global":
+            torch.set_rng_state(rng)
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if state.sampler_epoch is not None and set_epoch is not None:
+            set_epoch(state.sampler_epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands, as a JSON-able dict (torchdata's StatefulDataLoader API).
+
+        Saved mid-epoch, it records the epoch and the batches already returned by
+        ``next()``; loading it into a loader built the same way makes the next
+        ``iter()`` deliver exactly the rest of that epoch, in the same order an
+        uninterrupted run would have. Saved between epochs, it records the next
+        epoch. Under several ranks each rank saves and loads its own state.
+
+        Example:
+            >>> state = loader.state_dict()  # doctest: +SKIP
+            >>> json.dump(state, open("loader.json", "w"))  # doctest: +SKIP
+        """
+        iterator = self._iterator
+        in_progress = iterator is not None and not iterator.exhausted
+        state = LoaderState(
+            kind=self._kind(),
+            epoch=self._epoch_in_progress if in_progress else self._next_epoch,
+            batches_consumed=iterator.num_yielded if in_progress else 0,
+            world_size=self._world.world_size,
+            dataset_len=self._dataset_len(),
+            seed=self._base_seed,
+            rng=self._epoch_rng if in_progress else None,
+            sampler_epoch=self._epoch_sampler_epoch if in_progress else None,
+        )
+        return state.to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next ``iter()`` resumes that epoch.
+
+        Raises:
+            StateMismatchError: The state was saved from another kind of dataset, a
+                dataset of another length, another seed, another world size, or
+                another state version; the message names both values.
+        """
+        state = LoaderState.from_dict(state_dict)
+        state.check_matches(
+            kind=self._kind(),
+            dataset_len=self._dataset_len(),
+            seed=self._base_seed,
+            world_size=self._world.world_size,
+        )
+        self._close_iterator()
+        self._next_epoch = state.epoch
+        self._resume = state if state.batches_consumed > 0 else None
+
     def __len__(self) -> int:
         if self._is_ray_dataset:
             rows = self.dataset._meta_count()
@@ -416,22 +494,28 @@ class RayDataLoader(Iterable[Any]):
         cluster.ensure_ray(self.options.ray_address, world=self._world)
         epoch = self._next_epoch
         self._next_epoch += 1
+        resume, self._resume = self._resume, None
+        skip = resume.batches_consumed if resume is not None else 0
         pin = self._use_pinned_memory()
         prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
         iterator: Any
         if self._is_ray_dataset:
-            iterator = self._iter_ray_dataset(epoch, pin, prefetch)
+            iterator = self._iter_ray_dataset(epoch, pin, prefetch, skip)
         else:
-            iterator = self._iter_torch_dataset(epoch, pin, prefetch)
+            iterator = self._iter_torch_dataset(epoch, pin, prefetch, resume)
         device = resolve_device(self.options.device)
         if device is not None:
             iterator = DevicePrefetcher(
                 iterator, device, depth=prefetch, name=f"raydl-epoch-{epoch}-to-{device}"
             )
+        # An iterator keeps its loader alive (`for b in DataLoader(...)` drops the loader).
+        iterator.loader = self
         self._iterator = iterator
         return iterator
 
-    def _iter_ray_dataset(self, epoch: int, pin: bool, prefetch: int) -> RayDatasetIterator:
+    def _iter_ray_dataset(
+        self, epoch: int, pin: bool, prefetch: int, skip: int
+    ) -> RayDatasetIterator:
         options = self.options
         batch_size = self.batch_size
         assert batch_size is not None  # rejected in __init__
@@ -448,6 +532,7 @@ class RayDataLoader(Iterable[Any]):
                 epoch=epoch,
                 deterministic=options.deterministic,
             )
+        self._epoch_in_progress = epoch
         if world.is_distributed:
             # Rank 0 plans and splits the epoch; every rank takes its split. The
             # broadcast is also where rank 0 learns that every rank finished the
@@ -459,6 +544,7 @@ class RayDataLoader(Iterable[Any]):
                 message = (epoch, splits, plan.local_shuffle_buffer_size, plan.local_shuffle_seed)
             epoch, splits, buffer, buffer_seed = channel.broadcast(message)
             self._next_epoch = epoch + 1
+            self._epoch_in_progress = epoch
             self._retire_splits()
             self._splits = splits if world.rank == 0 else None
             source = splits[world.rank]
@@ -485,14 +571,23 @@ class RayDataLoader(Iterable[Any]):
             length=self._length_or_none(),
             epoch=epoch,
             on_exhausted=on_exhausted,
+            skip=skip,
         )
 
-    def _iter_torch_dataset(self, epoch: int, pin: bool, prefetch: int) -> Any:
+    def _iter_torch_dataset(
+        self, epoch: int, pin: bool, prefetch: int, resume: LoaderState | None
+    ) -> Any:
         if self._auto_sharded:
             self.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        if resume is not None:
+            self._restore_rng(resume)
+        self._epoch_in_progress = epoch
+        self._epoch_rng = self._capture_rng()
+        self._epoch_sampler_epoch = getattr(self.sampler, "epoch", None)
         # torch draws the sampler iterator, then the workers' base seed, in this order.
         index_iter = iter(self._index_sampler) if not self._is_iterable else None
         base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        skip = resume.batches_consumed if resume is not None else 0
         pool = self._get_pool(base_seed)
         on_close = None if self.persistent_workers else self._drop_pool
         if index_iter is None:
@@ -503,10 +598,15 @@ class RayDataLoader(Iterable[Any]):
                 pin_memory=pin,
                 length=self._length_or_none(),
                 on_close=on_close,
+                skip=skip,
             )
+        # Resuming a map-style epoch skips the consumed batches' indices: nothing is re-fetched.
+        for _ in range(skip):
+            next(index_iter, None)
         return MapStyleIterator(
             pool,
             index_iter,
+            skip=skip,
             prefetch=prefetch,
             in_order=self.in_order,
             timeout=self.timeout,

@@ -152,7 +152,7 @@ def version_token(info: dict[str, Any]) -> str:
     etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
     if etag:
         return f"etag={str(etag).strip(chr(34))};size={size}"
-    mtime = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+    mtime: Any = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
     if hasattr(mtime, "timestamp"):
         mtime = mtime.timestamp()
     return f"size={size};mtime={mtime}"

@@ -79,6 +79,7 @@ class DevicePrefetcher(Iterator[Any]):
         self._stop = threading.Event()
         self._stream = torch.cuda.Stream(device=device)
         self.num_yielded = 0
+        self.exhausted = False
         self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
         self._thread.start()
 
@@ -113,6 +114,7 @@ class DevicePrefetcher(Iterator[Any]):
             raise StopIteration
         item = self._queue.get()
         if item is _DONE:
+            self.exhausted = True
             self.close()
             raise StopIteration
         if isinstance(item, BaseException):

@@ -17,6 +17,7 @@ cache configuration, so it works in worker processes on any node.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 import time
@@ -208,10 +209,9 @@ class _RetryingFile(io.RawIOBase):
     def _drop_file(self) -> None:
         file, self._file = self._file, None
         if file is not None:
-            try:
+            # Closing a broken connection may fail again; there is nothing to keep.
+            with contextlib.suppress(Exception):
                 file.close()
-            except Exception:  # closing a broken connection may fail again; nothing to keep
-                pass
 
     def close(self) -> None:
         self._drop_file()

@@ -56,6 +56,7 @@ class _BaseIterator(Iterator[Any]):
         self._closed = False
         self._on_exhausted = on_exhausted
         self.num_yielded = 0
+        self.exhausted = False
 
     def __iter__(self) -> _BaseIterator:
         return self
@@ -71,6 +72,7 @@ class _BaseIterator(Iterator[Any]):
         try:
             batch = self._next_batch()
         except StopIteration:
+            self.exhausted = True
             self.close()
             if self._on_exhausted is not None:
                 self._on_exhausted()
@@ -153,8 +155,11 @@ class MapStyleIterator(_BaseIterator):
         pin_memory: bool,
         length: int | None,
         on_close: Callable[[], None] | None = None,
+        skip: int = 0,
     ) -> None:
+        """``skip``: batches of this epoch already consumed (their indices were skipped)."""
         super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
+        self.num_yielded = skip
         self._pool = pool
         self._index_iter = index_iter
         self._in_order = in_order
@@ -243,7 +248,9 @@ class IterableIterator(_BaseIterator):
         pin_memory: bool,
         length: int | None,
         on_close: Callable[[], None] | None = None,
+        skip: int = 0,
     ) -> None:
+        """``skip``: batches to read and discard first (a resume; exact for deterministic datasets)."""
         import ray
 
         super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
@@ -256,6 +263,15 @@ class IterableIterator(_BaseIterator):
         ]
         self._active = list(range(len(pool)))
         self._cursor = 0
+        self._discard(skip)
+
+    def _discard(self, count: int) -> None:
+        for _ in range(count):
+            try:
+                self._next_batch()
+            except StopIteration:
+                break
+        self.num_yielded = count
 
     def _next_batch(self) -> Any:
         while self._active:
@@ -315,8 +331,15 @@ class RayDatasetIterator(_BaseIterator):
         length: int | None,
         epoch: int,
         on_exhausted: Callable[[], None] | None = None,
+        skip: int = 0,
     ) -> None:
-        """``source`` is the epoch's ``ray.data.Dataset`` or this rank's ``DataIterator`` split."""
+        """``source`` is the epoch's ``ray.data.Dataset`` or this rank's ``DataIterator`` split.
+
+        ``skip``: batches to drop first (a resume). The epoch's order is a pure
+        function of (seed, epoch), so the batches after them are exactly those an
+        uninterrupted run would have delivered; the skipped ones still run through
+        the pipeline (that is the cost of a resume).
+        """
         super().__init__(
             timeout=timeout, pin_memory=pin_memory, length=length, on_exhausted=on_exhausted
         )
@@ -331,6 +354,8 @@ class RayDatasetIterator(_BaseIterator):
             local_shuffle_seed=local_shuffle_seed,
         )
         self._collate = collate_fn if collate_fn is not None else numpy_batch_to_tensors
+        self._skip = skip
+        self.num_yielded = skip
         self._thread = threading.Thread(
             target=self._produce, name=f"raydl-epoch-{epoch}-producer", daemon=True
         )
@@ -339,9 +364,11 @@ class RayDatasetIterator(_BaseIterator):
     def _produce(self) -> None:
         batches = iter(self._batches)
         try:
-            for batch in batches:
+            for position, batch in enumerate(batches):
                 if self._stop.is_set():
                     return
+                if position < self._skip:
+                    continue
                 self._put(self._collate(batch))
             self._put(_DONE)
         except BaseException as err:

@@ -1,0 +1,96 @@
+"""Versioned, JSON-able iteration state: where an epoch stood, and how to get back there.
+
+Schema (``version`` 1)::
+
+    {
+      "version": 1,
+      "kind": "map" | "iterable" | "ray",   # the dataset kind it was saved from
+      "epoch": int,                          # the epoch in progress (or the next one)
+      "batches_consumed": int,               # batches handed to the trainer in that epoch
+      "world_size": int,
+      "dataset_len": int | null,             # len(dataset) for torch datasets
+      "seed": int,                           # raydl's base seed (Ray Data shuffles)
+      "rng": {"source": "generator" | "global", "state": base64} | null,
+                                             # torch RNG state at the start of the epoch
+      "sampler_epoch": int | null            # DistributedSampler.epoch at the epoch start
+    }
+
+Batches prefetched but not yet returned by ``next()`` are not counted as
+consumed, so a resume re-delivers them.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from raydl.errors import StateMismatchError
+
+STATE_VERSION = 1
+
+
+def encode_rng(state: torch.Tensor) -> str:
+    """A torch RNG state (a uint8 tensor) as base64 text."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    """The uint8 tensor :func:`encode_rng` encoded."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """One loader's position; see the module docstring for the schema."""
+
+    kind: str
+    epoch: int
+    batches_consumed: int
+    world_size: int
+    dataset_len: int | None
+    seed: int
+    rng: dict[str, str] | None = None
+    sampler_epoch: int | None = None
+    version: int = STATE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: Any) -> LoaderState:
+        """Parse and check a saved state; errors name what is wrong."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state should be a dict from state_dict(), got {type(state).__name__}")
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise StateMismatchError(
+                f"state version {version!r} is not supported: this raydl reads version "
+                f"{STATE_VERSION}; save the state again with this raydl version."
+            )
+        fields = {name: state[name] for name in cls.__dataclass_fields__ if name in state}
+        try:
+            return cls(**fields)
+        except TypeError as err:
+            raise StateMismatchError(f"state is missing fields: {err}") from None
+
+    def check_matches(
+        self, *, kind: str, dataset_len: int | None, seed: int, world_size: int
+    ) -> None:
+        """Raise :class:`StateMismatchError` naming both values when the state does not fit."""
+        pairs = [
+            ("dataset kind", self.kind, kind),
+            ("dataset length", self.dataset_len, dataset_len),
+            ("seed", self.seed, seed),
+            ("world size", self.world_size, world_size),
+        ]
+        for what, saved, current in pairs:
+            if saved != current:
+                raise StateMismatchError(
+                    f"cannot load this state: it was saved with {what} {saved!r}, but this "
+                    f"loader has {what} {current!r}. Build the loader as it was when the state "
+                    "was saved."
+                )
