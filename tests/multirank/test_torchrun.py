@@ -112,7 +112,7 @@ def test_ddp_example_with_distributed_sampler_matches_torch_shares(tmp_path: Pat
     assert torch  # imported for DistributedSampler's RNG
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_dead_rank_makes_the_other_fail_clearly(unequal_data: Path, tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed mid-epoch; rank 0 must end with an error, not hang.
 
@@ -141,7 +141,7 @@ def test_dead_rank_makes_the_other_fail_clearly(unequal_data: Path, tmp_path: Pa
                     "--die-after",
                     "5",
                     "--timeout",
-                    "20",
+                    "60",
                     "--epochs",
                     "1",
                 ],
@@ -153,13 +153,18 @@ def test_dead_rank_makes_the_other_fail_clearly(unequal_data: Path, tmp_path: Pa
         )
     start = time.monotonic()
     try:
-        procs[0].wait(timeout=180)
+        procs[0].wait(timeout=230)
     finally:
         for p in procs:
             p.kill()
-    assert procs[1].returncode == -9
+    records = {
+        r: Path(f"{prefix}.rank{r}").read_text()
+        for r in (0, 1)
+        if Path(f"{prefix}.rank{r}").exists()
+    }
+    assert procs[1].returncode == -9, records
     assert procs[0].returncode != 0
     lines = Path(f"{prefix}.rank0").read_text().splitlines()
     last = json.loads(lines[-1])
     assert "error" in last, lines
-    assert time.monotonic() - start < 180
+    assert time.monotonic() - start < 230
