@@ -5,21 +5,44 @@ Example:
 """
 
 from raydl._internal.world import World
-from raydl.errors import LoaderTimeoutError, RayDLError, StateMismatchError, WorkerDiedError
+from raydl.errors import (
+    LoaderTimeoutError,
+    RayDLError,
+    RemoteReadError,
+    StateMismatchError,
+    WorkerDiedError,
+)
 from raydl.loader import LoaderOptions, RayDataLoader
 from raydl.session import init, shutdown
+from raydl.sources import (
+    CacheConfig,
+    CacheStats,
+    RetryPolicy,
+    label_from_path,
+    read_binary_files,
+    read_images,
+    read_parquet,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheConfig",
+    "CacheStats",
     "LoaderOptions",
     "LoaderTimeoutError",
     "RayDLError",
     "RayDataLoader",
+    "RemoteReadError",
+    "RetryPolicy",
     "StateMismatchError",
     "WorkerDiedError",
     "World",
     "__version__",
     "init",
+    "label_from_path",
+    "read_binary_files",
+    "read_images",
+    "read_parquet",
     "shutdown",
 ]

@@ -8,7 +8,13 @@ itself or to the Ray cluster it runs on.
 
 from __future__ import annotations
 
-__all__ = ["LoaderTimeoutError", "RayDLError", "StateMismatchError", "WorkerDiedError"]
+__all__ = [
+    "LoaderTimeoutError",
+    "RayDLError",
+    "RemoteReadError",
+    "StateMismatchError",
+    "WorkerDiedError",
+]
 
 
 class RayDLError(RuntimeError):
@@ -48,5 +54,14 @@ class StateMismatchError(RayDLError, ValueError):
 
     Example:
         >>> issubclass(StateMismatchError, ValueError)
+        True
+    """
+
+
+class RemoteReadError(RayDLError, OSError):
+    """A remote read still failed after every retry; the message names endpoint and key.
+
+    Example:
+        >>> issubclass(RemoteReadError, OSError)
         True
     """

@@ -98,8 +98,12 @@ class LoaderOptions:
     world: World | None = None
 
     def __post_init__(self) -> None:
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed option should be a non-negative int or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            raise TypeError(f"seed option should be an int or None, got {self.seed!r}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed option should be non-negative, got {self.seed!r}")
         if self.shuffle_mode not in SHUFFLE_MODES:
             raise ValueError(
                 f"shuffle_mode option should be one of {SHUFFLE_MODES}, got {self.shuffle_mode!r}"
@@ -383,8 +387,10 @@ class RayDataLoader(Iterable[Any]):
         Map-style datasets take their order from the sampler (call
         ``loader.sampler.set_epoch`` for a ``DistributedSampler``, as with torch).
         """
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch should be a non-negative int, got {epoch!r}")
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise TypeError(f"epoch should be an int, got {epoch!r}")
+        if epoch < 0:
+            raise ValueError(f"epoch should be non-negative, got {epoch!r}")
         self._next_epoch = epoch
 
     def _kind(self) -> str:
@@ -490,7 +496,10 @@ class RayDataLoader(Iterable[Any]):
             return None
 
     def __iter__(self) -> Iterator[Any]:
-        self._close_iterator()
+        if self.persistent_workers or self._world.is_distributed:
+            # The previous epoch shares this loader's actors or its ranks' collective
+            # schedule: it ends here. Otherwise it lives on independently, as in torch.
+            self._close_iterator()
         cluster.ensure_ray(self.options.ray_address, world=self._world)
         epoch = self._next_epoch
         self._next_epoch += 1
@@ -584,12 +593,22 @@ class RayDataLoader(Iterable[Any]):
         self._epoch_in_progress = epoch
         self._epoch_rng = self._capture_rng()
         self._epoch_sampler_epoch = getattr(self.sampler, "epoch", None)
-        # torch draws the sampler iterator, then the workers' base seed, in this order.
+        # torch draws the sampler iterator, then the workers' base seed, in this order;
+        # persistent workers are seeded once, so torch draws that seed only the first time.
         index_iter = iter(self._index_sampler) if not self._is_iterable else None
-        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        if self.persistent_workers and self._pool is not None:
+            pool = self._pool
+        else:
+            base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            )
+            pool = self._new_pool(base_seed)
+            if self.persistent_workers:
+                self._pool = pool
+        # Without persistent workers each iterator owns its pool, as each torch iterator
+        # owns its processes: two live iterators (zip(loader, loader)) are independent.
+        on_close = None if self.persistent_workers else pool.kill
         skip = resume.batches_consumed if resume is not None else 0
-        pool = self._get_pool(base_seed)
-        on_close = None if self.persistent_workers else self._drop_pool
         if index_iter is None:
             return IterableIterator(
                 pool,
@@ -615,10 +634,7 @@ class RayDataLoader(Iterable[Any]):
             on_close=on_close,
         )
 
-    def _get_pool(self, base_seed: int) -> WorkerPool:
-        if self._pool is not None and self.persistent_workers:
-            return self._pool
-        self._drop_pool()
+    def _new_pool(self, base_seed: int) -> WorkerPool:
         spec = WorkerSpec(
             num_workers=max(1, self.num_workers),
             collate_fn=self.collate_fn,
@@ -628,13 +644,12 @@ class RayDataLoader(Iterable[Any]):
             batch_size=self.batch_size,
             drop_last=self.drop_last,
         )
-        self._pool = WorkerPool(
+        return WorkerPool(
             self.dataset,
             spec,
             restartable=not self._is_iterable,
             options=self.options.worker_options,
         )
-        return self._pool
 
     def _drop_pool(self) -> None:
         pool, self._pool = self._pool, None
@@ -669,7 +684,7 @@ class RayDataLoader(Iterable[Any]):
         resources while it waits for readers that will never come.
         """
         splits, self._splits = self._splits, None
-        if splits:
+        if splits and cluster.is_connected():
             coordinator = getattr(splits[0], "_coord_actor", None)
             if coordinator is not None:
                 import ray

@@ -29,11 +29,11 @@ from raydl._internal import cluster
 from raydl._internal.cache import CacheConfig, CacheStats, DiskCache, as_cache_config
 from raydl._internal.fs import (
     RemoteHandler,
-    RemoteReadError,
     RetryPolicy,
     describe_endpoint,
     to_pyarrow,
 )
+from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
     import ray.data

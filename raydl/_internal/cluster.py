@@ -34,6 +34,12 @@ _lock = threading.Lock()
 _started_by_raydl = False
 
 
+def is_connected() -> bool:
+    """Whether this process is connected to Ray now (cleanup must not auto-start a new one)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
 def started_by_raydl() -> bool:
     """Whether the Ray instance in this process was started by raydl (and is raydl's to stop)."""
     return _started_by_raydl

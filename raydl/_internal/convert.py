@@ -16,8 +16,20 @@ from typing import Any
 import numpy as np
 import torch
 
-# numpy has no bfloat16 and no complex32: such tensors travel pickled.
-_NO_NUMPY = {torch.bfloat16, torch.complex32}
+# Tensors of other dtypes (bfloat16, float8, complex32, ...) travel pickled.
+_NUMPY_DTYPES = {
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+}
 
 
 class _Wrapped:
@@ -35,10 +47,21 @@ class _Wrapped:
 def tensors_to_numpy(obj: Any) -> Any:
     """Replace each CPU tensor in ``obj`` by a numpy view of it (wrapped, so it comes back a tensor)."""
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu" and obj.dtype not in _NO_NUMPY and not obj.requires_grad:
+        if _numpy_can_hold(obj):
             return _Wrapped(obj.numpy())
-        return obj
+        return obj  # travels pickled, exactly as it is
     return _map_structure(obj, tensors_to_numpy)
+
+
+def _numpy_can_hold(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.dtype in _NUMPY_DTYPES
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def numpy_to_tensors(obj: Any) -> Any:

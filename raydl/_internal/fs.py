@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raydl.errors import RayDLError
+from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
     import fsspec
@@ -55,15 +55,6 @@ _PERMANENT: tuple[type[BaseException], ...] = (
     TypeError,
     NotImplementedError,
 )
-
-
-class RemoteReadError(RayDLError, OSError):
-    """A remote read still failed after every retry; the message names endpoint and key.
-
-    Example:
-        >>> issubclass(RemoteReadError, OSError)
-        True
-    """
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any
 from torch.utils.data._utils import ExceptionWrapper
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
+from raydl._internal.cluster import is_connected
 from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
 from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
 from raydl._internal.workers import EXHAUSTED, describe_indices
@@ -92,7 +93,8 @@ class _BaseIterator(Iterator[Any]):
         """Release this epoch's Ray work; further ``next()`` calls raise ``StopIteration``."""
         if not self._closed:
             self._closed = True
-            self._release()
+            if is_connected():  # after ray.shutdown() (e.g. at exit) there is nothing to release
+                self._release()
 
     def _release(self) -> None:
         raise NotImplementedError

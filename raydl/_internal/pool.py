@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 from torch.utils.data import Dataset
 
+from raydl._internal.cluster import is_connected
 from raydl._internal.workers import DatasetWorker, WorkerSpec
 
 #: How often one batch is retried on a fresh worker after the worker loading it died.
@@ -69,6 +70,9 @@ class WorkerPool:
 
     def kill(self) -> None:
         """Stop every actor now (pending tasks fail; results already fetched stay valid)."""
+        if not is_connected():  # Ray already shut down (e.g. at exit): the actors died with it
+            self.actors = []
+            return
         import ray
 
         for actor in self.actors:
