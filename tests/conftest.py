@@ -18,9 +18,7 @@ _PATHS = [str(_TESTS / "integration"), str(_TESTS)]
 
 def _extend_pythonpath() -> None:
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [*[p for p in _PATHS if p not in current], *current]
-    )
+    os.environ["PYTHONPATH"] = os.pathsep.join([*[p for p in _PATHS if p not in current], *current])
 
 
 _extend_pythonpath()

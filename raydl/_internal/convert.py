@@ -32,32 +32,41 @@ _NUMPY_DTYPES = {
 }
 
 
+# Same-size integer dtypes that carry the bits of dtypes numpy lacks (bfloat16, float8, ...).
+_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class _Wrapped:
-    """A numpy array that stands for a tensor; remembers that it was one."""
+    """A numpy array that stands for a tensor; remembers that it was one, and its dtype."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "dtype")
 
-    def __init__(self, array: np.ndarray) -> None:
+    def __init__(self, array: np.ndarray, dtype: torch.dtype | None = None) -> None:
         self.array = array
+        self.dtype = dtype  # set when the array carries the bits of a dtype numpy lacks
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Wrapped, (self.array,))
+        return (_Wrapped, (self.array, self.dtype))
 
 
 def tensors_to_numpy(obj: Any) -> Any:
     """Replace each CPU tensor in ``obj`` by a numpy view of it (wrapped, so it comes back a tensor)."""
     if isinstance(obj, torch.Tensor):
-        if _numpy_can_hold(obj):
+        if not _plain(obj):
+            return obj  # sparse, conj/neg views, autograd, GPU: travels pickled, as it is
+        if obj.dtype in _NUMPY_DTYPES:
             return _Wrapped(obj.numpy())
-        return obj  # travels pickled, exactly as it is
+        carrier = _CARRIERS.get(obj.element_size())
+        if carrier is not None and not obj.is_complex():
+            return _Wrapped(obj.view(carrier).numpy(), obj.dtype)
+        return obj
     return _map_structure(obj, tensors_to_numpy)
 
 
-def _numpy_can_hold(tensor: torch.Tensor) -> bool:
+def _plain(tensor: torch.Tensor) -> bool:
     return (
         tensor.device.type == "cpu"
         and tensor.layout == torch.strided
-        and tensor.dtype in _NUMPY_DTYPES
         and not tensor.requires_grad
         and not tensor.is_conj()
         and not tensor.is_neg()
@@ -67,7 +76,8 @@ def _numpy_can_hold(tensor: torch.Tensor) -> bool:
 def numpy_to_tensors(obj: Any) -> Any:
     """Undo :func:`tensors_to_numpy`: every wrapped array becomes a writable tensor again."""
     if isinstance(obj, _Wrapped):
-        return array_to_tensor(obj.array)
+        tensor = array_to_tensor(obj.array)
+        return tensor if obj.dtype is None else tensor.view(obj.dtype)
     return _map_structure(obj, numpy_to_tensors)
 
 

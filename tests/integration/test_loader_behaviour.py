@@ -1,0 +1,267 @@
+"""RayDataLoader over torch datasets: workers, errors, timeouts, early exit, worker deaths."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+import torch
+from _datasets import (
+    DieOnceData,
+    FailingData,
+    PoisonData,
+    SlowData,
+    StreamData,
+    TensorData,
+    WorkerInfoData,
+    failing_collate,
+    record_worker_init,
+)
+from torch.utils.data import DataLoader
+
+import raydl
+from raydl import RayDataLoader
+
+
+def _ids(batches: list[torch.Tensor]) -> list[int]:
+    return [int(i) for b in batches for i in b[:, 0].tolist()]
+
+
+def _wait_until(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+# ------------------------------------------------------------------ workers
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_worker_init_fn_and_worker_info_run_in_ray_workers(num_workers: int) -> None:
+    loader = RayDataLoader(
+        WorkerInfoData(12),
+        batch_size=2,
+        num_workers=num_workers,
+        worker_init_fn=record_worker_init,
+        generator=torch.Generator().manual_seed(0),
+    )
+    rows = [
+        {k: int(v[i]) for k, v in batch.items()}
+        for batch in loader
+        for i in range(len(batch["index"]))
+    ]
+    assert sorted(r["index"] for r in rows) == list(range(12))
+    expected_workers = max(1, num_workers)
+    assert all(r["pid"] != os.getpid() for r in rows)
+    assert all(r["num_workers"] == expected_workers for r in rows)
+    assert {r["worker"] for r in rows} == set(range(expected_workers))
+    # worker_init_fn ran in the same process as the worker that loaded the sample
+    assert all(r["init_pid"] == r["pid"] and r["init_worker"] == r["worker"] for r in rows)
+    by_worker = {r["worker"]: r for r in rows}
+    assert len({by_worker[w]["pid"] for w in by_worker}) == expected_workers
+    # torch's seeds: base_seed + worker_id
+    seeds = {r["worker"]: r["seed"] for r in rows}
+    assert {seeds[w] - seeds[0] for w in seeds} == set(range(expected_workers))
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("error", [ValueError, KeyError, IndexError])
+def test_getitem_error_is_reraised_with_type_and_indices(error: type[Exception]) -> None:
+    loader = RayDataLoader(
+        FailingData(12, bad=7, error=error), batch_size=3, num_workers=1, persistent_workers=True
+    )
+    with pytest.raises(error) as info:
+        list(loader)
+    message = str(info.value)
+    assert "sample 7 is corrupt" in message
+    assert "[6, 7, 8]" in message
+    loader.close()
+
+
+@pytest.mark.timeout(90)
+def test_collate_error_is_reraised_with_type_and_indices() -> None:
+    loader = RayDataLoader(TensorData(6), batch_size=2, collate_fn=failing_collate)
+    with pytest.raises(KeyError, match="collate cannot handle this batch") as info:
+        next(iter(loader))
+    assert "[0, 1]" in str(info.value)
+    loader.close()
+
+
+@pytest.mark.timeout(90)
+def test_loader_usable_after_an_error() -> None:
+    loader = RayDataLoader(
+        FailingData(6, bad=5), batch_size=2, num_workers=1, persistent_workers=True
+    )
+    with pytest.raises(ValueError):
+        list(loader)
+    iterator = iter(loader)
+    assert _ids([next(iterator), next(iterator)]) == [0, 1, 2, 3]
+    loader.close()
+
+
+@pytest.mark.timeout(90)
+def test_timeout_with_slow_getitem() -> None:
+    loader = RayDataLoader(SlowData(4, delay=30), batch_size=1, num_workers=1, timeout=2)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^DataLoader timed out after 2 seconds$") as info:
+        next(iter(loader))
+    assert isinstance(info.value, raydl.LoaderTimeoutError)
+    assert time.monotonic() - started < 20
+    loader.close()
+
+
+# ------------------------------------------------------------------ early exit
+
+
+@pytest.mark.timeout(90)
+def test_abandoned_iterator_then_full_epoch() -> None:
+    loader = RayDataLoader(TensorData(10), batch_size=3, num_workers=2, persistent_workers=True)
+    first = next(iter(loader))
+    assert _ids([first]) == [0, 1, 2]
+    assert _ids(list(loader)) == list(range(10))
+    assert _ids(list(loader)) == list(range(10))
+    loader.close()
+
+
+@pytest.mark.timeout(90)
+def test_abandoned_iterator_non_persistent() -> None:
+    loader = RayDataLoader(TensorData(10), batch_size=3, num_workers=1)
+    assert _ids([next(iter(loader))]) == [0, 1, 2]
+    assert _ids(list(loader)) == list(range(10))
+    assert loader._pool is None
+
+
+@pytest.mark.timeout(120)
+def test_break_releases_non_persistent_workers() -> None:
+    options = {"num_cpus": 1}  # so the actors show up in available_resources
+    loader = RayDataLoader(WorkerInfoData(20), batch_size=2, num_workers=1, worker_options=options)
+    pids = set()
+    for i, batch in enumerate(loader):
+        pids.update(batch["pid"].tolist())
+        if i == 0:
+            assert _wait_until(lambda: ray.available_resources().get("CPU", 0) <= 1.0)
+            break
+    assert len(pids) == 1
+    # the next epoch closes the abandoned one and starts fresh workers
+    epoch = list(loader)
+    assert sorted(i for b in epoch for i in b["index"].tolist()) == list(range(20))
+    assert loader._pool is None
+    assert _wait_until(lambda: ray.available_resources().get("CPU", 0) == 2.0)
+    assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
+
+
+@pytest.mark.timeout(90)
+def test_close_releases_workers() -> None:
+    loader = RayDataLoader(
+        WorkerInfoData(8),
+        batch_size=2,
+        num_workers=1,
+        persistent_workers=True,
+        worker_options={"num_cpus": 1},
+    )
+    pids = {next(iter(loader))["pid"][0].item()}
+    list(loader)
+    assert loader._pool is not None  # persistent: kept between epochs
+    loader.close()
+    assert loader._pool is None
+    assert _wait_until(lambda: ray.available_resources().get("CPU", 0) == 2.0)
+    assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
+
+
+@pytest.mark.timeout(90)
+def test_persistent_workers_keep_their_process() -> None:
+    loader = RayDataLoader(WorkerInfoData(4), batch_size=2, num_workers=1, persistent_workers=True)
+    pids = [{p for b in loader for p in b["pid"].tolist()} for _ in range(2)]
+    assert pids[0] == pids[1]
+    loader.close()
+
+
+@pytest.mark.timeout(90)
+def test_two_iterators_at_once_like_torch() -> None:
+    # torch gives independent iterators for non-persistent workers: zip(loader, loader) works.
+    data = TensorData(6)
+    expected = [
+        (a.tolist(), b.tolist())
+        for a, b in zip(DataLoader(data, batch_size=2), DataLoader(data, batch_size=2), strict=True)
+    ]
+    loader = RayDataLoader(data, batch_size=2)
+    got = [(a.tolist(), b.tolist()) for a, b in zip(loader, loader, strict=False)]
+    loader.close()
+    assert got == expected
+
+
+@pytest.mark.timeout(90)
+def test_iterable_dataset_early_exit_then_full_epoch() -> None:
+    loader = RayDataLoader(StreamData(10), batch_size=3, num_workers=2, persistent_workers=True)
+    next(iter(loader))
+    epoch = [int(x) for b in loader for x in b.tolist()]
+    assert sorted(epoch) == list(range(10))
+    loader.close()
+
+
+# ------------------------------------------------------------------ torch's RNG protocol
+
+
+@pytest.mark.timeout(120)
+def test_persistent_workers_draw_rng_like_torch() -> None:
+    # torch draws the workers' base seed from `generator` once, when it creates the
+    # persistent workers; later epochs draw only the sampler's permutation. Real
+    # torch worker processes (spawned, not forked: this process runs a Ray driver).
+    data = torch.arange(16)
+    torch_loader = DataLoader(
+        data,
+        batch_size=4,
+        shuffle=True,
+        num_workers=1,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+        generator=torch.Generator().manual_seed(3),
+    )
+    expected = [[b.tolist() for b in torch_loader] for _ in range(3)]
+    loader = RayDataLoader(
+        data,
+        batch_size=4,
+        shuffle=True,
+        num_workers=1,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(3),
+    )
+    got = [[b.tolist() for b in loader] for _ in range(3)]
+    loader.close()
+    assert got[0] == expected[0]
+    assert got == expected
+
+
+# ------------------------------------------------------------------ dying workers
+
+
+@pytest.mark.timeout(120)
+def test_poison_sample_raises_worker_died_error() -> None:
+    loader = RayDataLoader(PoisonData(8, poison=5), batch_size=2, num_workers=1)
+    started = time.monotonic()
+    with pytest.raises(raydl.WorkerDiedError, match=r"\[4, 5\]"):
+        list(loader)
+    assert time.monotonic() - started < 100
+    loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_once_delivers_every_sample_once(tmp_path: Path) -> None:
+    data = DieOnceData(20, victim=9, marker=tmp_path / "died")
+    loader = RayDataLoader(data, batch_size=3, num_workers=2, persistent_workers=True)
+    epoch = list(loader)
+    assert (tmp_path / "died").exists()  # the worker really died
+    assert _ids(epoch) == list(range(20))  # in order, nothing lost, nothing twice
+    assert _ids(list(loader)) == list(range(20))
+    loader.close()

@@ -1,0 +1,178 @@
+"""RayDataLoader over ray.data.Dataset sources (own module: its own Ray cluster)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from raydl import RayDataLoader
+
+N = 40
+
+
+def _ids(loader: Any) -> list[int]:
+    return [int(i) for batch in loader for i in batch["id"].tolist()]
+
+
+@pytest.mark.timeout(90)
+def test_batches_are_dicts_of_tensors_in_order() -> None:
+    ds = ray.data.range(N).map_batches(lambda b: {"id": b["id"], "x": b["id"] * 2.0})
+    loader = RayDataLoader(ds, batch_size=7)
+    batches = list(loader)
+    assert [len(b["id"]) for b in batches] == [7] * 5 + [5]
+    for batch in batches:
+        assert set(batch) == {"id", "x"}
+        assert all(isinstance(v, torch.Tensor) for v in batch.values())
+        assert torch.equal(batch["x"], batch["id"].double() * 2.0)
+    assert _ids(batches) == list(range(N))
+    batches[0]["id"][0] = -1  # writable, like torch's batches
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("batch_size", "drop_last", "expected"), [(7, False, 6), (7, True, 5), (1, False, N)]
+)
+def test_len_is_exact_for_range(batch_size: int, drop_last: bool, expected: int) -> None:
+    loader = RayDataLoader(ray.data.range(N), batch_size=batch_size, drop_last=drop_last)
+    assert len(loader) == expected
+
+
+@pytest.mark.timeout(60)
+def test_len_after_filter_raises_type_error_and_iteration_works() -> None:
+    ds = ray.data.range(N).filter(lambda row: row["id"] % 2 == 0)
+    loader = RayDataLoader(ds, batch_size=4)
+    with pytest.raises(TypeError, match=r"^len\(\) of a RayDataLoader over a ray.data.Dataset"):
+        len(loader)
+    assert _ids(loader) == list(range(0, N, 2))
+
+
+@pytest.mark.timeout(60)
+def test_drop_last() -> None:
+    loader = RayDataLoader(ray.data.range(N), batch_size=6, drop_last=True)
+    batches = list(loader)
+    assert [len(b["id"]) for b in batches] == [6] * 6
+    assert _ids(batches) == list(range(36))
+
+
+@pytest.mark.timeout(120)
+def test_global_shuffle_is_a_permutation_per_epoch_and_seeded() -> None:
+    loader = RayDataLoader(ray.data.range(N), batch_size=8, shuffle=True, seed=3)
+    first, second = _ids(loader), _ids(loader)
+    assert sorted(first) == list(range(N))
+    assert sorted(second) == list(range(N))
+    assert first != list(range(N))
+    assert first != second
+    again = RayDataLoader(ray.data.range(N), batch_size=8, shuffle=True, seed=3)
+    assert _ids(again) == first
+    other = RayDataLoader(ray.data.range(N), batch_size=8, shuffle=True, seed=4)
+    assert _ids(other) != first
+
+
+@pytest.mark.timeout(60)
+def test_generator_seeds_the_shuffle() -> None:
+    def make() -> RayDataLoader:
+        return RayDataLoader(
+            ray.data.range(N),
+            batch_size=8,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(9),
+        )
+
+    assert _ids(make()) == _ids(make())
+
+
+@pytest.mark.timeout(60)
+def test_set_epoch_selects_the_order() -> None:
+    loader = RayDataLoader(ray.data.range(N), batch_size=8, shuffle=True, seed=1)
+    epoch0 = _ids(loader)
+    loader.set_epoch(0)
+    assert _ids(loader) == epoch0
+
+
+@pytest.mark.timeout(90)
+def test_blocks_shuffle_mode() -> None:
+    ds = ray.data.range(N, override_num_blocks=8)
+    loader = RayDataLoader(
+        ds, batch_size=5, shuffle=True, seed=2, shuffle_mode="blocks", local_shuffle_buffer_size=10
+    )
+    first, second = _ids(loader), _ids(loader)
+    assert sorted(first) == sorted(second) == list(range(N))
+    assert first != list(range(N))
+    assert first != second
+    again = RayDataLoader(
+        ds, batch_size=5, shuffle=True, seed=2, shuffle_mode="blocks", local_shuffle_buffer_size=10
+    )
+    assert _ids(again) == first
+
+
+def _collate_numpy(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    assert isinstance(batch, dict)
+    assert all(isinstance(v, np.ndarray) for v in batch.values())
+    return {"ids": batch["id"].tolist(), "kind": type(batch["id"]).__name__}
+
+
+@pytest.mark.timeout(60)
+def test_collate_fn_receives_dict_of_numpy() -> None:
+    loader = RayDataLoader(ray.data.range(10), batch_size=4, collate_fn=_collate_numpy)
+    batches = list(loader)
+    assert [b["ids"] for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert {b["kind"] for b in batches} == {"ndarray"}
+
+
+def _add_features(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {
+        "id": batch["id"],
+        "square": batch["id"] ** 2,
+        "name": np.array([f"row{i}" for i in batch["id"]]),
+    }
+
+
+@pytest.mark.timeout(90)
+def test_map_batches_stage_with_num_cpus() -> None:
+    ds = ray.data.range(N).map_batches(_add_features, num_cpus=1, batch_size=10)
+    loader = RayDataLoader(ds, batch_size=10)
+    batches = list(loader)
+    assert _ids(batches) == list(range(N))
+    for batch in batches:
+        assert torch.equal(batch["square"], batch["id"] ** 2)
+        assert isinstance(batch["name"], np.ndarray)  # strings stay numpy
+        assert batch["name"].tolist() == [f"row{i}" for i in batch["id"].tolist()]
+
+
+@pytest.mark.timeout(60)
+def test_user_dataset_is_not_modified() -> None:
+    ds = ray.data.range(N)
+    loader = RayDataLoader(ds, batch_size=8, shuffle=True, seed=0)
+    list(loader)
+    assert [row["id"] for row in ds.take(5)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.timeout(60)
+def test_early_exit_then_full_epoch() -> None:
+    loader = RayDataLoader(ray.data.range(N), batch_size=4)
+    next(iter(loader))
+    assert _ids(loader) == list(range(N))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": None}, "DataLoader with ray.data.Dataset: batch_size=None"),
+        (
+            {"sampler": [0, 1]},
+            "DataLoader with ray.data.Dataset: expected unspecified sampler option",
+        ),
+        (
+            {"batch_sampler": [[0]]},
+            "DataLoader with ray.data.Dataset: expected unspecified batch_sampler",
+        ),
+    ],
+)
+def test_unsupported_arguments(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{message}"):
+        RayDataLoader(ray.data.range(4), **kwargs)

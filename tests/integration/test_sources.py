@@ -1,0 +1,183 @@
+"""raydl.sources and the disk cache on local filesystems (the S3 server tests are in tests/s3)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow.fs as pafs
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from raydl._internal.cache import DiskCache
+from raydl._internal.fs import RemoteHandler
+from raydl.sources import (
+    CacheConfig,
+    RemoteReadError,
+    RetryPolicy,
+    label_from_path,
+    read_binary_files,
+    resolve_filesystem,
+)
+
+
+class SlowLocalFS(LocalFileSystem):
+    """A local filesystem that sleeps per request, standing in for a remote's latency."""
+
+    protocol = ("slowlocal",)
+    delay_s = 0.02
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        time.sleep(self.delay_s)
+        return super().info(path, **kwargs)
+
+    def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
+        time.sleep(self.delay_s)
+        super().get_file(rpath, lpath, **kwargs)
+
+
+def _handler(cache_dir: Path, max_bytes: int | None = None) -> RemoteHandler:
+    return RemoteHandler(
+        LocalFileSystem(),
+        endpoint="file endpoint test",
+        retry=RetryPolicy(attempts=1),
+        cache=DiskCache(CacheConfig(str(cache_dir), max_bytes=max_bytes)),
+    )
+
+
+@pytest.mark.timeout(10)
+def test_label_from_path() -> None:
+    assert label_from_path("bucket/train/3/ab12.jpeg") == "3"
+    assert label_from_path("s3://bucket/train/3/ab12.jpeg", level=-3) == "train"
+    with pytest.raises(ValueError, match="has no component at level=-9"):
+        label_from_path("a/b", level=-9)
+
+
+@pytest.mark.timeout(10)
+def test_resolve_filesystem_rejects_bad_options() -> None:
+    with pytest.raises(ValueError, match="paths should all use one protocol"):
+        resolve_filesystem(["s3://a/x", "/tmp/y"])
+    with pytest.raises(TypeError, match="paths option should be a path/URL"):
+        resolve_filesystem(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="storage_options option does not apply to local paths"):
+        resolve_filesystem("/tmp/x", storage_options={"key": "k"})
+    with pytest.raises(TypeError, match="cache option should be a directory path"):
+        resolve_filesystem("/tmp/x", cache=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_bytes option should be a positive int"):
+        CacheConfig("/tmp/c", max_bytes=0)
+    with pytest.raises(ValueError, match="attempts option should be a positive int"):
+        RetryPolicy(attempts=0)
+    paths, fs = resolve_filesystem("file:///tmp/x.parquet")
+    assert (paths, fs.type_name) == (["/tmp/x.parquet"], "local")
+
+
+@pytest.mark.timeout(20)
+def test_cache_hit_miss_and_changed_object(tmp_path: Path) -> None:
+    src = tmp_path / "obj.bin"
+    src.write_bytes(b"a" * 10)
+    handler = _handler(tmp_path / "cache")
+    fs = pafs.PyFileSystem(handler)
+    for _ in range(2):
+        with fs.open_input_file(str(src)) as f:
+            assert f.read() == b"a" * 10
+    config = CacheConfig(str(tmp_path / "cache"))
+    assert (config.stats().misses, config.stats().hits) == (1, 1)
+    src.write_bytes(b"b" * 11)  # new size and mtime: a new version
+    with fs.open_input_stream(str(src)) as f:
+        assert f.read() == b"b" * 11
+    stats = config.stats()
+    assert (stats.misses, stats.hits, stats.entries) == (2, 1, 2)
+
+
+@pytest.mark.timeout(20)
+def test_cache_lru_eviction_keeps_bound(tmp_path: Path) -> None:
+    handler = _handler(tmp_path / "cache", max_bytes=250)
+    fs = pafs.PyFileSystem(handler)
+    for i in range(6):
+        (tmp_path / f"{i}.bin").write_bytes(bytes([i]) * 100)
+    for i in [0, 1, 0, 2, 3, 4, 5]:
+        time.sleep(0.01)  # distinct mtimes for the LRU order
+        with fs.open_input_file(str(tmp_path / f"{i}.bin")) as f:
+            assert f.read() == bytes([i]) * 100
+    stats = CacheConfig(str(tmp_path / "cache")).stats()
+    assert stats.bytes <= 250
+    assert stats.evictions >= 4
+    assert stats.entries == 2
+
+
+def _read_all(cache_dir: str, paths: list[str], out: Any) -> None:
+    fs = pafs.PyFileSystem(_handler(Path(cache_dir)))
+    ok = True
+    for p in paths:
+        with fs.open_input_file(p) as f:
+            ok &= f.read() == Path(p).read_bytes()
+    out.put(ok)
+
+
+@pytest.mark.timeout(60)
+def test_cache_concurrent_writers(tmp_path: Path) -> None:
+    paths = []
+    for i in range(20):
+        p = tmp_path / f"{i}.bin"
+        p.write_bytes(os.urandom(50_000))
+        paths.append(str(p))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_read_all, args=(str(tmp_path / "cache"), paths, out)) for _ in range(4)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=50) for _ in procs]
+    for p in procs:
+        p.join(timeout=10)
+    assert results == [True] * 4
+    stats = CacheConfig(str(tmp_path / "cache")).stats()
+    assert stats.entries == 20
+    assert stats.hits + stats.misses == 80
+    assert not os.listdir(tmp_path / "cache" / "tmp")  # no partial downloads left
+
+
+@pytest.mark.timeout(20)
+def test_retry_exhausted_names_endpoint_and_key() -> None:
+    calls = []
+
+    def flaky() -> None:
+        calls.append(1)
+        raise ConnectionError("connection refused")
+
+    policy = RetryPolicy(attempts=3, initial_backoff_s=0.01)
+    start = time.monotonic()
+    with pytest.raises(
+        RemoteReadError,
+        match=r"download of key 'b/k.bin' at s3 endpoint http://h:1 failed after 3 attempt",
+    ):
+        policy.call(flaky, what="download", endpoint="s3 endpoint http://h:1", key="b/k.bin")
+    assert len(calls) == 3
+    assert time.monotonic() - start < 5
+    with pytest.raises(FileNotFoundError):  # permanent errors are not retried
+        policy.call(lambda: Path("/nonexistent/x").read_bytes(), what="read", endpoint="e", key="k")
+
+
+@pytest.mark.timeout(180)
+def test_cache_in_ray_workers_with_latency(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(12):
+        (data / f"{i}.bin").write_bytes(bytes([i]) * 1000)
+    cache = CacheConfig(str(tmp_path / "cache"))
+    ds = read_binary_files(str(data), filesystem=SlowLocalFS(), cache=cache)
+    first = sorted((r["path"], r["bytes"]) for r in ds.take_all())
+    assert cache.stats().misses == 12
+    second = sorted((r["path"], r["bytes"]) for r in ds.take_all())
+    assert second == first
+    assert (cache.stats().misses, cache.stats().hits) == (12, 12)
+
+
+@pytest.mark.timeout(10)
+def test_fsspec_registry_untouched() -> None:
+    assert "slowlocal" not in fsspec.available_protocols()
