@@ -35,6 +35,7 @@ from raydl._internal.iterators import (
     MapStyleIterator,
     RayDatasetIterator,
 )
+from raydl._internal.metrics import EpochStats, summarize
 from raydl._internal.plan import SHUFFLE_MODES, plan_epoch
 from raydl._internal.pool import WorkerPool
 from raydl._internal.shuffle import seed_from_torch
@@ -348,6 +349,7 @@ class RayDataLoader(Iterable[Any]):
         self._epoch_rng: dict[str, str] | None = None
         self._epoch_sampler_epoch: int | None = None
         self._resume: LoaderState | None = None
+        self._stats: list[EpochStats] = []
         self._pin_warned = False
         self._initialized = True
 
@@ -448,6 +450,20 @@ class RayDataLoader(Iterable[Any]):
         )
         return state.to_dict()
 
+    def stats(self) -> dict[str, Any]:
+        """How the training loop fared against the loader, per epoch and in total.
+
+        ``wait_s`` is the time spent inside ``next()`` waiting for data;
+        ``stall_fraction`` is ``wait_s / elapsed_s``: near 0 means the loader
+        keeps up, near 1 means training is starved. Also ``batches``, ``samples``,
+        ``samples_per_s`` and ``time_to_first_batch_s`` (per epoch).
+
+        Example:
+            >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP
+            0.013
+        """
+        return summarize(self._stats)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next ``iter()`` resumes that epoch.
 
@@ -519,6 +535,10 @@ class RayDataLoader(Iterable[Any]):
             )
         # An iterator keeps its loader alive (`for b in DataLoader(...)` drops the loader).
         iterator.loader = self
+        stats = EpochStats(epoch=self._epoch_in_progress)
+        self._stats.append(stats)
+        inner = iterator._source if isinstance(iterator, DevicePrefetcher) else iterator
+        inner.stats = stats
         self._iterator = iterator
         return iterator
 

@@ -44,3 +44,16 @@ def test_ruff_and_mypy_are_clean() -> None:
     assert ruff.returncode == 0, ruff.stdout[-3000:]
     mypy = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True)
     assert mypy.returncode == 0, mypy.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.s3
+def test_s3_images_example_trains_from_a_real_s3_server() -> None:
+    out = _run("examples/s3_images.py", "--small", timeout=280)
+    assert "epoch" in out
+
+
+@pytest.mark.timeout(300)
+def test_last_mile_tabular_example_trains() -> None:
+    out = _run("examples/last_mile_tabular.py", "--small", timeout=280)
+    assert "epoch" in out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +31,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.cluster import is_connected
 from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
+from raydl._internal.metrics import EpochStats
 from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
 from raydl._internal.workers import EXHAUSTED, describe_indices
 from raydl.errors import LoaderTimeoutError, WorkerDiedError
@@ -58,6 +60,7 @@ class _BaseIterator(Iterator[Any]):
         self._on_exhausted = on_exhausted
         self.num_yielded = 0
         self.exhausted = False
+        self.stats: EpochStats | None = None  # set by the loader
 
     def __iter__(self) -> _BaseIterator:
         return self
@@ -70,10 +73,13 @@ class _BaseIterator(Iterator[Any]):
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
+        started = time.perf_counter()
         try:
             batch = self._next_batch()
         except StopIteration:
             self.exhausted = True
+            if self.stats is not None:
+                self.stats.finish()
             self.close()
             if self._on_exhausted is not None:
                 self._on_exhausted()
@@ -84,6 +90,8 @@ class _BaseIterator(Iterator[Any]):
         if self._pin:
             batch = pin_structure(batch)
         self.num_yielded += 1
+        if self.stats is not None:
+            self.stats.record(batch, time.perf_counter() - started)
         return batch
 
     def _next_batch(self) -> Any:
@@ -93,6 +101,8 @@ class _BaseIterator(Iterator[Any]):
         """Release this epoch's Ray work; further ``next()`` calls raise ``StopIteration``."""
         if not self._closed:
             self._closed = True
+            if self.stats is not None:
+                self.stats.finish()
             if is_connected():  # after ray.shutdown() (e.g. at exit) there is nothing to release
                 self._release()
 

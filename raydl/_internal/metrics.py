@@ -1,0 +1,88 @@
+"""Data-stall counters: how long the training loop waited inside ``next()``.
+
+One :class:`EpochStats` per epoch iterator; the iterator updates it on every
+``next()`` (two ``perf_counter`` calls and a few additions), the loader keeps
+them and sums them in :meth:`raydl.RayDataLoader.stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor/array (1 if there is none)."""
+    if isinstance(batch, torch.Tensor) or hasattr(batch, "shape"):
+        shape = batch.shape
+        return int(shape[0]) if len(shape) else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            return batch_len(value)
+    if isinstance(batch, Sequence) and not isinstance(batch, str) and batch:
+        return batch_len(batch[0])
+    return 1
+
+
+@dataclass
+class EpochStats:
+    """Counters of one epoch; ``wait_s`` is the time spent inside ``next()``."""
+
+    epoch: int
+    started: float = field(default_factory=time.perf_counter)
+    batches: int = 0
+    samples: int = 0
+    wait_s: float = 0.0
+    first_batch_s: float | None = None
+    ended: float | None = None
+
+    def record(self, batch: Any, waited: float) -> None:
+        """Count one delivered batch that took ``waited`` seconds to arrive."""
+        self.batches += 1
+        self.samples += batch_len(batch)
+        self.wait_s += waited
+        if self.first_batch_s is None:
+            self.first_batch_s = time.perf_counter() - self.started
+
+    def finish(self) -> None:
+        """Mark the end of the epoch (exhausted or closed)."""
+        if self.ended is None:
+            self.ended = time.perf_counter()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures a user reads: counts, seconds, stall fraction and throughput."""
+        elapsed = (self.ended or time.perf_counter()) - self.started
+        return {
+            "epoch": self.epoch,
+            "batches": self.batches,
+            "samples": self.samples,
+            "elapsed_s": elapsed,
+            "wait_s": self.wait_s,
+            "stall_fraction": self.wait_s / elapsed if elapsed > 0 else 0.0,
+            "time_to_first_batch_s": self.first_batch_s,
+            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+        }
+
+
+def summarize(epochs: Sequence[EpochStats]) -> dict[str, Any]:
+    """Per-epoch figures plus their totals."""
+    per_epoch = [e.as_dict() for e in epochs]
+    elapsed = sum(e["elapsed_s"] for e in per_epoch)
+    wait = sum(e["wait_s"] for e in per_epoch)
+    samples = sum(e["samples"] for e in per_epoch)
+    return {
+        "epochs": per_epoch,
+        "total": {
+            "epochs": len(per_epoch),
+            "batches": sum(e["batches"] for e in per_epoch),
+            "samples": samples,
+            "elapsed_s": elapsed,
+            "wait_s": wait,
+            "stall_fraction": wait / elapsed if elapsed > 0 else 0.0,
+            "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
+        },
+    }
