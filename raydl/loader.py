@@ -341,7 +341,8 @@ class RayDataLoader(Iterable[Any]):
 
         self._base_seed = seed if seed is not None else self._default_seed(generator)
         self._next_epoch = 0
-        self._pool: WorkerPool | None = None
+        self._pool: WorkerPool | None = None  # persistent workers
+        self._parked: list[WorkerPool] = []  # idle pools of finished epochs (not persistent)
         self._iterator: Any = None
         # rank 0: the epoch's split iterators, kept alive until every rank ended the epoch
         self._splits: Any = None
@@ -622,12 +623,14 @@ class RayDataLoader(Iterable[Any]):
             base_seed = int(
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
             )
-            pool = self._new_pool(base_seed)
+            pool = self._fresh_pool(base_seed)
             if self.persistent_workers:
                 self._pool = pool
-        # Without persistent workers each iterator owns its pool, as each torch iterator
-        # owns its processes: two live iterators (zip(loader, loader)) are independent.
-        on_close = None if self.persistent_workers else pool.kill
+        # Without persistent workers each iterator owns its pool while it runs, as each
+        # torch iterator owns its processes: two live iterators (zip(loader, loader)) are
+        # independent. At the end of the epoch the pool is parked, and the next epoch
+        # resets its actors instead of starting new processes.
+        on_close = None if self.persistent_workers else (lambda: self._park(pool))
         skip = resume.batches_consumed if resume is not None else 0
         if index_iter is None:
             return IterableIterator(
@@ -654,8 +657,26 @@ class RayDataLoader(Iterable[Any]):
             on_close=on_close,
         )
 
-    def _new_pool(self, base_seed: int) -> WorkerPool:
-        spec = WorkerSpec(
+    def _fresh_pool(self, base_seed: int) -> WorkerPool:
+        """A pool whose workers are new for this epoch: a parked one reset, or a new one."""
+        spec = self._worker_spec(base_seed)
+        if self._parked:
+            pool = self._parked.pop()
+            pool.reset(spec)
+            return pool
+        return WorkerPool(
+            self.dataset,
+            spec,
+            restartable=not self._is_iterable,
+            options=self.options.worker_options,
+        )
+
+    def _park(self, pool: WorkerPool) -> None:
+        if pool.actors:
+            self._parked.append(pool)
+
+    def _worker_spec(self, base_seed: int) -> WorkerSpec:
+        return WorkerSpec(
             num_workers=max(1, self.num_workers),
             collate_fn=self.collate_fn,
             auto_collation=self._auto_collation,
@@ -664,17 +685,13 @@ class RayDataLoader(Iterable[Any]):
             batch_size=self.batch_size,
             drop_last=self.drop_last,
         )
-        return WorkerPool(
-            self.dataset,
-            spec,
-            restartable=not self._is_iterable,
-            options=self.options.worker_options,
-        )
 
     def _drop_pool(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.kill()
+        parked, self._parked = self._parked, []
+        for each in [pool, *parked]:
+            if each is not None:
+                each.kill()
 
     def _use_pinned_memory(self) -> bool:
         if not self.pin_memory:

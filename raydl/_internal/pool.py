@@ -56,6 +56,16 @@ class WorkerPool:
     def _start(self, worker_id: int) -> Any:
         return self._actor_cls.remote([self._dataset_ref], worker_id, self.spec)
 
+    def reset(self, spec: WorkerSpec) -> None:
+        """Turn every worker into a fresh one for ``spec`` (see ``DatasetWorker.reset``).
+
+        Asynchronous: each actor runs its tasks in order, so the reset happens
+        before any fetch submitted after this call.
+        """
+        self.spec = spec
+        for actor in self.actors:
+            actor.reset.remote(spec)
+
     def restart(self, worker_id: int) -> None:
         """Replace a dead worker by a fresh one with the same id (``worker_init_fn`` runs again)."""
         import ray

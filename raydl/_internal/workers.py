@@ -56,11 +56,24 @@ class DatasetWorker:
     """One loader worker; instantiated as a Ray actor by :mod:`raydl._internal.pool`."""
 
     def __init__(self, dataset_ref: list[Any], worker_id: int, spec: WorkerSpec) -> None:
+        self._dataset_ref = dataset_ref
+        self._id = worker_id
+        self.reset(spec)
+
+    def reset(self, spec: WorkerSpec) -> None:
+        """Become a fresh worker, as a newly started torch worker process would be.
+
+        A new copy of the dataset is unpickled, the RNGs are seeded from
+        ``spec.base_seed``, ``get_worker_info()`` is set and ``worker_init_fn``
+        runs again. Reusing the process this way saves starting one (and
+        importing torch in it) every epoch; only module-level state of user code
+        outlives an epoch, where a new torch worker process would start clean.
+        """
         import ray
 
-        dataset: Dataset[Any] = pickle.loads(ray.get(dataset_ref[0]))
+        worker_id = self._id
+        dataset: Dataset[Any] = pickle.loads(ray.get(self._dataset_ref[0]))
         self._dataset = dataset
-        self._id = worker_id
         self._spec = spec
         self._init_error: ExceptionWrapper | None = None
         self._iter: Iterator[Any] | None = None
