@@ -672,8 +672,13 @@ class RayDataLoader(Iterable[Any]):
         )
 
     def _park(self, pool: WorkerPool) -> None:
-        if pool.actors:
+        # Parked actors only cost memory when they hold no resources (Ray's actor
+        # default). Workers given resources (worker_options) release them as torch's
+        # processes would: other work on the cluster may need those CPUs/GPUs.
+        if pool.actors and not self.options.worker_options:
             self._parked.append(pool)
+        else:
+            pool.kill()
 
     def _worker_spec(self, base_seed: int) -> WorkerSpec:
         return WorkerSpec(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -265,3 +266,32 @@ def test_worker_killed_once_delivers_every_sample_once(tmp_path: Path) -> None:
     assert _ids(epoch) == list(range(20))  # in order, nothing lost, nothing twice
     assert _ids(list(loader)) == list(range(20))
     loader.close()
+
+
+class _CountingData(WorkerInfoData):
+    """Counts loads in the dataset object itself: a fresh copy starts from zero."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.loads = 0
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        self.loads += 1
+        return {**super().__getitem__(index), "loads": self.loads}
+
+
+@pytest.mark.timeout(120)
+def test_non_persistent_workers_are_fresh_each_epoch_in_reused_processes() -> None:
+    """Each epoch sees a new dataset copy, a new seed and worker_init_fn again, as a new
+    torch worker process would, but raydl reuses the (resource-free) actor process."""
+    loader = RayDataLoader(
+        _CountingData(6), batch_size=6, num_workers=1, worker_init_fn=record_worker_init
+    )
+    epochs = [list(loader) for _ in range(2)]  # whole epochs: each ends and parks its pool
+    first, second = epochs[0][0], epochs[1][0]
+    assert first["pid"][0] == second["pid"][0]  # the same process, parked between epochs
+    assert first["loads"].tolist() == second["loads"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert first["seed"][0] != second["seed"][0]  # a new base seed each epoch, as in torch
+    assert second["init_pid"][0] == second["pid"][0]  # worker_init_fn ran in that process
+    loader.close()
+    assert loader._parked == []

@@ -34,7 +34,7 @@ def s3fs_client(s3_server: SeaweedServer):  # type: ignore[no-untyped-def]
     return s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_instance() -> Iterator[None]:
     """raydl's embedded Ray (2 CPUs), in a private temp dir so it cannot join another cluster."""
     saved = os.environ.get("RAY_TMPDIR")
