@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
+from raydl._internal.threads import put_until_stopped
+
 _DONE = object()
 
 
@@ -102,12 +104,7 @@ class DevicePrefetcher(Iterator[Any]):
             self._put(err)
 
     def _put(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        put_until_stopped(self._queue, item, self._stop)
 
     def __next__(self) -> Any:
         if self._stop.is_set():

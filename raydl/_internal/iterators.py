@@ -33,6 +33,7 @@ from raydl._internal.cluster import is_connected
 from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
 from raydl._internal.metrics import EpochStats
 from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
+from raydl._internal.threads import put_until_stopped
 from raydl._internal.workers import EXHAUSTED, describe_indices
 from raydl.errors import LoaderTimeoutError, WorkerDiedError
 
@@ -391,12 +392,7 @@ class RayDatasetIterator(_BaseIterator):
                 close()  # shuts Ray Data's streaming executor down
 
     def _put(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        put_until_stopped(self._queue, item, self._stop)
 
     def _next_batch(self) -> Any:
         try:
