@@ -131,6 +131,7 @@ def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
                     address="local",  # a new instance, never another process's cluster
                     num_cpus=num_cpus,
                     include_dashboard=False,
+                    dashboard_host="127.0.0.1",  # should any dashboard server start anyway
                     **common,  # type: ignore[arg-type]
                 )
             _started_by_raydl = True

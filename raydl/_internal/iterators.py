@@ -239,11 +239,9 @@ class MapStyleIterator(_BaseIterator):
         return self._pending[refs.index(ready[0])]
 
     def _release(self) -> None:
-        import ray
-
-        for fetch in self._pending:
-            with contextlib.suppress(Exception):
-                ray.cancel(fetch.ref)
+        # In-flight fetches are dropped, not ray.cancel()ed: cancelling queued tasks of
+        # a (sequential) actor leaves a gap in its task sequence and stalls the actor's
+        # next tasks for 30 s. They finish on their own; their results are discarded.
         self._pending.clear()
         if self._on_close is not None:
             self._on_close()
@@ -302,12 +300,7 @@ class IterableIterator(_BaseIterator):
         raise StopIteration
 
     def _release(self) -> None:
-        import ray
-
-        for refs in self._pending:
-            for ref in refs:
-                with contextlib.suppress(Exception):
-                    ray.cancel(ref)
+        for refs in self._pending:  # dropped, not cancelled: see MapStyleIterator._release
             refs.clear()
         self._active = []
         if self._on_close is not None:
