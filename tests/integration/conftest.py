@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 
 import pytest
-import ray
-
-from raydl._internal.cluster import ensure_ray
+from _private_ray import private_ray
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +16,8 @@ def ray_cluster() -> Iterator[None]:
     join a cluster someone else started on this machine (``ray start`` leaves its
     address in ``/tmp/ray/ray_current_cluster``).
     """
-    saved = os.environ.get("RAY_TMPDIR")
-    with tempfile.TemporaryDirectory(prefix="rdl", ignore_cleanup_errors=True) as tmp:
-        os.environ["RAY_TMPDIR"] = tmp
-        try:
-            ensure_ray(num_cpus=2)
-            yield
-        finally:
-            ray.shutdown()
-            if saved is None:
-                os.environ.pop("RAY_TMPDIR", None)
-            else:
-                os.environ["RAY_TMPDIR"] = saved
+    with private_ray(num_cpus=2):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _private_ray import private_ray
 
-from raydl._internal import cluster
 from raydl._internal.testing_s3 import SeaweedServer
 
 
@@ -37,20 +35,8 @@ def s3fs_client(s3_server: SeaweedServer):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def ray_instance() -> Iterator[None]:
     """raydl's embedded Ray (2 CPUs), in a private temp dir so it cannot join another cluster."""
-    saved = os.environ.get("RAY_TMPDIR")
-    with tempfile.TemporaryDirectory(prefix="rdls3", ignore_cleanup_errors=True) as tmp:
-        os.environ["RAY_TMPDIR"] = tmp
-        try:
-            cluster.ensure_ray(num_cpus=2)
-            yield
-        finally:
-            import ray
-
-            ray.shutdown()
-            if saved is None:
-                os.environ.pop("RAY_TMPDIR", None)
-            else:
-                os.environ["RAY_TMPDIR"] = saved
+    with private_ray(num_cpus=2):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,34 @@
+"""A private embedded Ray for one test module (shared by the integration and S3 tiers)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+
+import ray
+
+from raydl._internal.cluster import ensure_ray
+
+
+@contextlib.contextmanager
+def private_ray(num_cpus: int = 2) -> Iterator[None]:
+    """raydl's embedded Ray with its own temp dir, shut down on exit.
+
+    The private ``RAY_TMPDIR`` keeps ``ray.init`` from finding, and joining, a
+    cluster someone else started on this machine (``ray start`` leaves its
+    address in ``/tmp/ray/ray_current_cluster``).
+    """
+    saved = os.environ.get("RAY_TMPDIR")
+    with tempfile.TemporaryDirectory(prefix="rdl", ignore_cleanup_errors=True) as tmp:
+        os.environ["RAY_TMPDIR"] = tmp
+        try:
+            ensure_ray(num_cpus=num_cpus)
+            yield
+        finally:
+            ray.shutdown()
+            if saved is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = saved
