@@ -216,24 +216,38 @@ class MapStyleIterator(_BaseIterator):
                 if not isinstance(dead, RayActorError) or fetch.attempts >= MAX_TASK_RETRIES:
                     raise
                 fetch.attempts += 1
-                self._replace_worker(fetch.worker_id)
+                self._replace_worker(fetch)
         self._pending.remove(fetch)
+        self._resubmit_held(fetch.worker_id)
         self._fill()
         return _unwrap(result)
 
-    def _replace_worker(self, worker_id: int) -> None:
-        """Start a fresh worker and re-submit, in order, every batch the dead one held."""
-        self._pool.restart(worker_id)
+    def _replace_worker(self, failed: _Fetch) -> None:
+        """Start a fresh worker and retry ``failed`` on it alone.
+
+        The dead worker's other batches are held back until the retry succeeds. A
+        worker killed by batch B may take the already computed reply of the batch
+        before B down with it; retried together, that batch would fail again each
+        time and be blamed for B. Alone, it succeeds, and B is retried by itself.
+        """
+        self._pool.restart(failed.worker_id)
+        for fetch in self._pending:
+            if fetch.worker_id == failed.worker_id:
+                fetch.ref = None
+        failed.ref = self._pool.actors[failed.worker_id].fetch.remote(failed.indices)
+
+    def _resubmit_held(self, worker_id: int) -> None:
         actor = self._pool.actors[worker_id]
         for fetch in self._pending:
-            if fetch.worker_id == worker_id:
+            if fetch.worker_id == worker_id and fetch.ref is None:
                 fetch.ref = actor.fetch.remote(fetch.indices)
 
     def _first_ready(self) -> _Fetch:
         import ray
 
         refs = [fetch.ref for fetch in self._pending]
-        ready, _ = ray.wait(refs, num_returns=1, timeout=self._timeout or None)
+        waiting = [ref for ref in refs if ref is not None]
+        ready, _ = ray.wait(waiting, num_returns=1, timeout=self._timeout or None)
         if not ready:
             raise timeout_error(self._timeout)
         return self._pending[refs.index(ready[0])]
