@@ -40,11 +40,6 @@ def is_connected() -> bool:
     return ray is not None and bool(ray.is_initialized())
 
 
-def started_by_raydl() -> bool:
-    """Whether the Ray instance in this process was started by raydl (and is raydl's to stop)."""
-    return _started_by_raydl
-
-
 def ensure_ray(
     address: str | None = None, *, num_cpus: int | None = None, world: World | None = None
 ) -> None:

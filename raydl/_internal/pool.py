@@ -50,7 +50,6 @@ class WorkerPool:
         self._actor_cls = ray.remote(DatasetWorker).options(**actor_options)
         self.spec = spec
         self.restartable = restartable
-        self.restarts = 0
         self.actors = [self._start(i) for i in range(spec.num_workers)]
 
     def _start(self, worker_id: int) -> Any:
@@ -73,7 +72,6 @@ class WorkerPool:
         with contextlib.suppress(Exception):  # it is already gone
             ray.kill(self.actors[worker_id], no_restart=True)
         self.actors[worker_id] = self._start(worker_id)
-        self.restarts += 1
 
     def __len__(self) -> int:
         return len(self.actors)

@@ -92,10 +92,6 @@ class DatasetWorker:
                 where=f"in worker_init_fn of Ray worker {worker_id}"
             )
 
-    def ready(self) -> bool:
-        """Round trip used to wait for the actor to start."""
-        return True
-
     def fetch(self, indices: Sequence[int] | int) -> Any:
         """Load and collate one batch of a map-style dataset (or one sample without batching)."""
         if self._init_error is not None:
