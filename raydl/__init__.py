@@ -13,6 +13,7 @@ from raydl.errors import (
     WorkerDiedError,
 )
 from raydl.loader import LoaderOptions, RayDataLoader
+from raydl.pipelines import PerEpoch
 from raydl.session import init, shutdown
 from raydl.sources import (
     CacheConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "CacheStats",
     "LoaderOptions",
     "LoaderTimeoutError",
+    "PerEpoch",
     "RayDLError",
     "RayDataLoader",
     "RemoteReadError",

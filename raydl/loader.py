@@ -36,12 +36,14 @@ from raydl._internal.iterators import (
     RayDatasetIterator,
 )
 from raydl._internal.metrics import EpochStats, summarize
-from raydl._internal.plan import SHUFFLE_MODES, plan_epoch
+from raydl._internal.overlap import NextEpoch
+from raydl._internal.plan import SHUFFLE_MODES, EpochPlan, plan_epoch
 from raydl._internal.pool import WorkerPool
 from raydl._internal.shuffle import seed_from_torch
 from raydl._internal.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.workers import WorkerSpec
 from raydl._internal.world import Channel, World
+from raydl.pipelines import PerEpoch
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -59,6 +61,8 @@ _FROZEN_ATTRS = (
 
 
 def _is_ray_dataset(obj: object) -> bool:
+    if isinstance(obj, PerEpoch):
+        return True
     cls = type(obj)
     return any(c.__module__.startswith("ray.data") and c.__name__ == "Dataset" for c in cls.__mro__)
 
@@ -82,6 +86,11 @@ class LoaderOptions:
             local instance is started.
         worker_options: Ray actor options of the dataset workers for torch
             ``Dataset`` sources, e.g. ``{"num_cpus": 1, "resources": {...}}``.
+        overlap_epochs: For ``ray.data.Dataset`` sources on one rank: start the
+            next epoch's pipeline while the current one drains (its plan is a
+            pure function of (seed, epoch)), so the epoch boundary does not wait
+            for Ray Data's start-up or a shuffle's map phase. Costs the memory of
+            two epochs in flight around the boundary; ``False`` turns it off.
         device: Copy batches to this CUDA device on a side stream,
             ``prefetch_factor`` batches ahead of the training step. ``None`` keeps
             batches on the host, as torch does. Without CUDA: a warning, host batches.
@@ -95,6 +104,7 @@ class LoaderOptions:
     deterministic: bool = True
     ray_address: str | None = None
     worker_options: Mapping[str, Any] = field(default_factory=dict)
+    overlap_epochs: bool = True
     device: str | torch.device | int | None = None
     world: World | None = None
 
@@ -119,6 +129,8 @@ class LoaderOptions:
                 "worker_options option should be a mapping of Ray actor options, "
                 f"got {type(self.worker_options).__name__}"
             )
+        if not isinstance(self.overlap_epochs, bool):
+            raise TypeError(f"overlap_epochs option should be a bool, got {self.overlap_epochs!r}")
         if self.world is not None and not isinstance(self.world, World):
             raise TypeError(
                 f"world option should be a raydl.World or None, got {type(self.world).__name__}"
@@ -171,6 +183,7 @@ class RayDataLoader(Iterable[Any]):
         deterministic: See :class:`LoaderOptions`.
         ray_address: See :class:`LoaderOptions`.
         worker_options: See :class:`LoaderOptions`.
+        overlap_epochs: See :class:`LoaderOptions`.
         device: See :class:`LoaderOptions`.
         world: See :class:`LoaderOptions`.
 
@@ -217,6 +230,7 @@ class RayDataLoader(Iterable[Any]):
         deterministic: bool = True,
         ray_address: str | None = None,
         worker_options: Mapping[str, Any] | None = None,
+        overlap_epochs: bool = True,
         device: str | torch.device | int | None = None,
         world: World | None = None,
     ) -> None:
@@ -290,6 +304,7 @@ class RayDataLoader(Iterable[Any]):
             deterministic=deterministic,
             ray_address=ray_address,
             worker_options=dict(worker_options or {}),
+            overlap_epochs=overlap_epochs,
             device=device,
             world=world,
         )
@@ -350,6 +365,7 @@ class RayDataLoader(Iterable[Any]):
         self._epoch_rng: dict[str, str] | None = None
         self._epoch_sampler_epoch: int | None = None
         self._resume: LoaderState | None = None
+        self._next = NextEpoch()  # Ray Data: the next epoch, started early
         self._stats: list[EpochStats] = []
         self._pin_warned = False
         self._initialized = True
@@ -395,6 +411,8 @@ class RayDataLoader(Iterable[Any]):
         if epoch < 0:
             raise ValueError(f"epoch should be non-negative, got {epoch!r}")
         self._next_epoch = epoch
+        if self._next.epoch not in {None, epoch}:
+            self._next.discard()
 
     def _kind(self) -> str:
         return "ray" if self._is_ray_dataset else "iterable" if self._is_iterable else "map"
@@ -481,12 +499,16 @@ class RayDataLoader(Iterable[Any]):
             world_size=self._world.world_size,
         )
         self._close_iterator()
+        self._next.discard()
         self._next_epoch = state.epoch
         self._resume = state if state.batches_consumed > 0 else None
 
     def __len__(self) -> int:
+        return self._len_for_epoch(self._next_epoch)
+
+    def _len_for_epoch(self, epoch: int) -> int:
         if self._is_ray_dataset:
-            rows = self.dataset._meta_count()
+            rows = self._epoch_dataset(epoch)._meta_count()
             if rows is None:
                 raise TypeError(
                     "len() of a RayDataLoader over a ray.data.Dataset whose row count is only "
@@ -506,9 +528,9 @@ class RayDataLoader(Iterable[Any]):
             return rows // self.batch_size
         return math.ceil(rows / self.batch_size)
 
-    def _length_or_none(self) -> int | None:
+    def _length_or_none(self, epoch: int) -> int | None:
         try:
-            return len(self)
+            return self._len_for_epoch(epoch)
         except TypeError:
             return None
 
@@ -543,65 +565,126 @@ class RayDataLoader(Iterable[Any]):
         self._iterator = iterator
         return iterator
 
+    def _epoch_dataset(self, epoch: int) -> Any:
+        """The user's Ray Data plan for ``epoch`` (a :class:`PerEpoch` is built for it)."""
+        if isinstance(self.dataset, PerEpoch):
+            return self.dataset.dataset(epoch)
+        return self.dataset
+
+    def _plan(self, epoch: int) -> EpochPlan:
+        batch_size = self.batch_size
+        assert batch_size is not None  # rejected in __init__
+        options = self.options
+        return plan_epoch(
+            self._epoch_dataset(epoch),
+            shuffle=self.shuffle,
+            shuffle_mode=options.shuffle_mode,
+            local_shuffle_buffer_size=options.local_shuffle_buffer_size
+            or max(1024, 4 * batch_size),
+            seed=self._base_seed,
+            epoch=epoch,
+            deterministic=options.deterministic,
+        )
+
     def _iter_ray_dataset(
         self, epoch: int, pin: bool, prefetch: int, skip: int
     ) -> RayDatasetIterator:
-        options = self.options
-        batch_size = self.batch_size
-        assert batch_size is not None  # rejected in __init__
         world = self._world
-        on_exhausted = None
-        if world.rank == 0:
-            plan = plan_epoch(
-                self.dataset,
-                shuffle=self.shuffle,
-                shuffle_mode=options.shuffle_mode,
-                local_shuffle_buffer_size=options.local_shuffle_buffer_size
-                or max(1024, 4 * batch_size),
-                seed=self._base_seed,
-                epoch=epoch,
-                deterministic=options.deterministic,
-            )
         self._epoch_in_progress = epoch
-        if world.is_distributed:
-            # Rank 0 plans and splits the epoch; every rank takes its split. The
-            # broadcast is also where rank 0 learns that every rank finished the
-            # previous epoch, so it can let go of the previous splits.
-            channel = Channel.get(world)
-            message = None
-            if world.rank == 0:
-                splits = plan.dataset.streaming_split(world.world_size, equal=True)
-                message = (epoch, splits, plan.local_shuffle_buffer_size, plan.local_shuffle_seed)
-            epoch, splits, buffer, buffer_seed = channel.broadcast(message)
-            self._next_epoch = epoch + 1
-            self._epoch_in_progress = epoch
-            self._retire_splits()
-            self._splits = splits if world.rank == 0 else None
-            source = splits[world.rank]
-            if buffer_seed is not None:
-                buffer_seed = (buffer_seed + world.rank) % (2**31 - 1)
-            barrier_timeout = self.timeout if self.timeout > 0 else 1800.0
+        if not world.is_distributed:
+            early = self._next.take(epoch) if skip == 0 else None
+            if early is None:
+                self._next.discard()
+                early = self._single_rank_iterator(epoch, pin, prefetch, skip)
+            return early
+        # Rank 0 plans and splits the epoch; every rank takes its split. The
+        # broadcast is also where rank 0 learns that every rank finished the
+        # previous epoch, so it can let go of the previous splits.
+        channel = Channel.get(world)
+        message = None
+        if world.rank == 0:
+            plan = self._plan(epoch)
+            splits = plan.dataset.streaming_split(world.world_size, equal=True)
+            message = (epoch, splits, plan.local_shuffle_buffer_size, plan.local_shuffle_seed)
+        epoch, splits, buffer, buffer_seed = channel.broadcast(message)
+        self._next_epoch = epoch + 1
+        self._epoch_in_progress = epoch
+        self._retire_splits()
+        self._splits = splits if world.rank == 0 else None
+        if buffer_seed is not None:
+            buffer_seed = (buffer_seed + world.rank) % (2**31 - 1)
+        barrier_timeout = self.timeout if self.timeout > 0 else 1800.0
 
-            def on_exhausted() -> None:
-                channel.barrier(barrier_timeout, f"the end of epoch {epoch}")
+        def on_exhausted() -> None:
+            channel.barrier(barrier_timeout, f"the end of epoch {epoch}")
 
-        else:
-            source = plan.dataset
-            buffer, buffer_seed = plan.local_shuffle_buffer_size, plan.local_shuffle_seed
+        return self._ray_iterator(
+            splits[world.rank],
+            buffer,
+            buffer_seed,
+            epoch,
+            pin,
+            prefetch,
+            skip,
+            on_exhausted=on_exhausted,
+        )
+
+    def _single_rank_iterator(
+        self, epoch: int, pin: bool, prefetch: int, skip: int
+    ) -> RayDatasetIterator:
+        """Epoch ``epoch`` on one rank; it starts the next epoch early when allowed."""
+        plan = self._plan(epoch)
+        start_next = None
+        if self.options.overlap_epochs:
+
+            def start_next() -> None:
+                self._start_early(epoch + 1, pin, prefetch)
+
+        return self._ray_iterator(
+            plan.dataset,
+            plan.local_shuffle_buffer_size,
+            plan.local_shuffle_seed,
+            epoch,
+            pin,
+            prefetch,
+            skip,
+            start_next=start_next,
+            start_next_early=plan.all_to_all,
+        )
+
+    def _start_early(self, epoch: int, pin: bool, prefetch: int) -> None:
+        # Only the epoch the next iter() will run, and not when a resume is armed
+        # (that iter() skips batches of its own epoch, so it builds its own iterator).
+        if self._next_epoch == epoch and self._resume is None:
+            self._next.start(
+                epoch, lambda: self._single_rank_iterator(epoch, pin, prefetch, skip=0)
+            )
+
+    def _ray_iterator(
+        self,
+        source: Any,
+        buffer: int | None,
+        buffer_seed: int | None,
+        epoch: int,
+        pin: bool,
+        prefetch: int,
+        skip: int,
+        **hooks: Any,
+    ) -> RayDatasetIterator:
         return RayDatasetIterator(
             source,
             local_shuffle_buffer_size=buffer,
             local_shuffle_seed=buffer_seed,
-            batch_size=batch_size,
+            batch_size=self.batch_size,
             drop_last=self.drop_last,
             collate_fn=self.collate_fn,
             prefetch=prefetch,
             timeout=self.timeout,
             pin_memory=pin,
-            length=self._length_or_none(),
+            length=self._length_or_none(epoch),
             epoch=epoch,
-            on_exhausted=on_exhausted,
             skip=skip,
+            **hooks,
         )
 
     def _iter_torch_dataset(
@@ -638,7 +721,7 @@ class RayDataLoader(Iterable[Any]):
                 prefetch=prefetch,
                 timeout=self.timeout,
                 pin_memory=pin,
-                length=self._length_or_none(),
+                length=self._length_or_none(epoch),
                 on_close=on_close,
                 skip=skip,
             )
@@ -737,6 +820,7 @@ class RayDataLoader(Iterable[Any]):
     def close(self) -> None:
         """Stop the current epoch and the Ray actors of this loader (it can be iterated again)."""
         self._close_iterator()
+        self._next.discard()
         self._drop_pool()
         self._retire_splits()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ def private_ray(num_cpus: int = 2) -> Iterator[None]:
             ensure_ray(num_cpus=num_cpus)
             yield
         finally:
+            gc.collect()  # loaders the tests dropped close their pipelines while Ray is up
             ray.shutdown()
             if saved is None:
                 os.environ.pop("RAY_TMPDIR", None)

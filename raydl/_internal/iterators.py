@@ -352,6 +352,8 @@ class RayDatasetIterator(_BaseIterator):
         epoch: int,
         on_exhausted: Callable[[], None] | None = None,
         skip: int = 0,
+        start_next: Callable[[], None] | None = None,
+        start_next_early: bool = False,
     ) -> None:
         """``source`` is the epoch's ``ray.data.Dataset`` or this rank's ``DataIterator`` split.
 
@@ -359,6 +361,11 @@ class RayDatasetIterator(_BaseIterator):
         function of (seed, epoch), so the batches after them are exactly those an
         uninterrupted run would have delivered; the skipped ones still run through
         the pipeline (that is the cost of a resume).
+
+        ``start_next``: called once from the producer thread to start the next
+        epoch early: when Ray's first batch arrives if ``start_next_early`` (the
+        plan has an all-to-all stage, so its execution is mostly done by then),
+        else when Ray's iterator is exhausted.
         """
         super().__init__(
             timeout=timeout, pin_memory=pin_memory, length=length, on_exhausted=on_exhausted
@@ -375,6 +382,8 @@ class RayDatasetIterator(_BaseIterator):
         )
         self._collate = collate_fn if collate_fn is not None else numpy_batch_to_tensors
         self._skip = skip
+        self._start_next = start_next
+        self._start_next_early = start_next_early
         self.num_yielded = skip
         self._thread = threading.Thread(
             target=self._produce, name=f"raydl-epoch-{epoch}-producer", daemon=True
@@ -387,9 +396,12 @@ class RayDatasetIterator(_BaseIterator):
             for position, batch in enumerate(batches):
                 if self._stop.is_set():
                     return
+                if position == 0 and self._start_next_early:
+                    self._next_epoch()
                 if position < self._skip:
                     continue
                 self._put(self._collate(batch))
+            self._next_epoch()
             self._put(_DONE)
         except BaseException as err:
             self._put(_Failure(err))
@@ -397,6 +409,11 @@ class RayDatasetIterator(_BaseIterator):
             close = getattr(batches, "close", None)
             if close is not None:
                 close()  # shuts Ray Data's streaming executor down
+
+    def _next_epoch(self) -> None:
+        start, self._start_next = self._start_next, None
+        if start is not None and not self._stop.is_set():
+            start()
 
     def _put(self, item: Any) -> None:
         put_until_stopped(self._queue, item, self._stop)

@@ -37,6 +37,7 @@ class EpochPlan:
     dataset: ray.data.Dataset
     local_shuffle_buffer_size: int | None
     local_shuffle_seed: int | None
+    all_to_all: bool  # the plan has a barrier stage: nothing comes out before its map phase
 
 
 def plan_epoch(
@@ -64,4 +65,15 @@ def plan_epoch(
             ds = ds.randomize_block_order(seed=epoch_seed(seed, epoch, _BLOCK_ORDER_STREAM))
             buffer = local_shuffle_buffer_size
             buffer_seed = epoch_seed(seed, epoch, _LOCAL_BUFFER_STREAM)
-    return EpochPlan(ds, buffer, buffer_seed)
+    return EpochPlan(ds, buffer, buffer_seed, all_to_all=has_all_to_all(ds))
+
+
+def has_all_to_all(dataset: ray.data.Dataset) -> bool:
+    """Whether the plan has an all-to-all stage (shuffle, sort, repartition, ...)."""
+    try:
+        from ray.data._internal.logical.operators.all_to_all_operator import AbstractAllToAll
+
+        ops = dataset._logical_plan.dag.post_order_iter()
+        return any(isinstance(op, AbstractAllToAll) for op in ops)
+    except (ImportError, AttributeError):  # Ray moved its internals: assume a streaming plan
+        return False

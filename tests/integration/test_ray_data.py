@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from raydl import RayDataLoader
+from raydl import PerEpoch, RayDataLoader
 
 N = 40
 
@@ -176,3 +176,73 @@ def test_early_exit_then_full_epoch() -> None:
 def test_unsupported_arguments(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=f"^{message}"):
         RayDataLoader(ray.data.range(4), **kwargs)
+
+
+def _keep_by_epoch(batch: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]:
+    """A per-epoch draw: keep the ids whose (id + epoch) is divisible by 3."""
+    keep = (batch["id"] + epoch) % 3 == 0
+    return {"id": batch["id"][keep]}
+
+
+def _per_epoch() -> PerEpoch:
+    base = ray.data.range(N * 3, override_num_blocks=6)
+    return PerEpoch(lambda epoch: base.map_batches(_keep_by_epoch, fn_kwargs={"epoch": epoch}))
+
+
+@pytest.mark.timeout(120)
+def test_per_epoch_pipeline_is_rebuilt_for_each_epoch() -> None:
+    loader = RayDataLoader(_per_epoch(), batch_size=8, shuffle=True, seed=3)
+    for epoch in range(3):
+        ids = _ids(loader)
+        expected = [i for i in range(N * 3) if (i + epoch) % 3 == 0]
+        assert sorted(ids) == expected, epoch  # exactly once, that epoch's draw
+    loader.set_epoch(1)
+    assert sorted(_ids(loader)) == [i for i in range(N * 3) if (i + 1) % 3 == 0]
+
+
+@pytest.mark.timeout(30)
+def test_per_epoch_rejects_what_is_not_a_pipeline() -> None:
+    with pytest.raises(TypeError, match=r"PerEpoch needs a function epoch -> ray.data.Dataset"):
+        PerEpoch(3)  # type: ignore[arg-type]
+    loader = RayDataLoader(PerEpoch(lambda epoch: [epoch]), batch_size=2)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match=r"PerEpoch's build\(0\) should return a ray.data.Dataset"):
+        list(loader)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["global", "blocks"])
+def test_overlapped_epochs_deliver_the_same_batches(mode: str) -> None:
+    def run(overlap: bool) -> tuple[list[list[int]], list[int | None]]:
+        loader = RayDataLoader(
+            _per_epoch(),
+            batch_size=8,
+            shuffle=True,
+            shuffle_mode=mode,
+            seed=5,
+            overlap_epochs=overlap,
+        )
+        epochs, started_early = [], []
+        for _ in range(3):
+            epochs.append(_ids(loader))
+            started_early.append(loader._next.epoch)
+        loader.close()
+        assert loader._next.epoch is None  # close() stops the early epoch
+        return epochs, started_early
+
+    overlapped, started = run(True)
+    plain, none_started = run(False)
+    assert overlapped == plain
+    assert started == [1, 2, 3]  # each epoch started the next one while it ran
+    assert none_started == [None, None, None]
+
+
+@pytest.mark.timeout(120)
+def test_set_epoch_discards_an_early_epoch_that_is_not_next() -> None:
+    loader = RayDataLoader(_per_epoch(), batch_size=8, shuffle=True, seed=9)
+    list(loader)
+    assert loader._next.epoch == 1
+    loader.set_epoch(4)
+    assert loader._next.epoch is None
+    expected = RayDataLoader(_per_epoch(), batch_size=8, shuffle=True, seed=9, overlap_epochs=False)
+    expected.set_epoch(4)
+    assert _ids(loader) == _ids(expected)
