@@ -12,6 +12,10 @@ process group; they join it, so one cluster serves every rank. The embedded
 instance is started without torchrun's variables in its environment, so Ray
 worker processes do not believe they are rank 0. Joiners give up on a vanished
 rank-0 cluster after a few seconds instead of Ray's 60.
+
+If the process that started the embedded instance is killed, a small watcher
+process (:mod:`raydl._internal.reaper`) stops the instance's processes that
+would otherwise linger for a minute.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from raydl._internal import env
+from raydl._internal import env, reaper
 from raydl._internal.world import Channel, World
 from raydl.errors import RayDLError
 
@@ -121,6 +125,7 @@ def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
         if address:
             ray.init(address=address, **common)  # type: ignore[arg-type]
         else:
+            before = reaper.ray_children(os.getpid())
             with _without_torchrun_env():
                 ray.init(
                     address="local",  # a new instance, never another process's cluster
@@ -130,6 +135,8 @@ def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
                     **common,  # type: ignore[arg-type]
                 )
             _started_by_raydl = True
+            # Should this process be SIGKILLed, no Ray process of the instance outlives it long.
+            reaper.start(os.getpid(), reaper.ray_children(os.getpid()) - before)
         _quiet_ray_data()
 
 

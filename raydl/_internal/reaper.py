@@ -1,0 +1,148 @@
+"""Stop the embedded Ray instance's processes when the training process dies.
+
+Ray ties the processes ``ray.init`` starts (gcs_server, raylet, monitors) to the
+driver, and the raylet's workers exit soon after the raylet. Two helpers do
+not: when the raylet dies unexpectedly, the dashboard agent and the runtime-env
+agent try to report it to the (dead) GCS and only exit after that call's 60 s
+timeout. A training process that is SIGKILLed (OOM killer, a scheduler
+pre-empting the job) would leave them behind for a minute, every time.
+
+When raydl starts the embedded instance it also starts this file as a small
+separate process (standard library only; run by path, so it imports neither
+raydl nor torch). It follows the Ray processes started by ``ray.init`` and their
+descendants, and once the driver is gone it SIGKILLs what is left of them. It
+exits by itself once they are all gone (``ray.shutdown()``). Linux only (it
+reads ``/proc``); elsewhere nothing is started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+#: Seconds between two looks at the process table.
+POLL_S = 0.5
+
+#: A process: (pid, start time in clock ticks since boot); the pair survives pid reuse.
+Proc = tuple[int, int]
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """``(parent pid, start time)`` of a live process, ``None`` if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields follow the last ")".
+    fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] in {b"Z", b"X"}:
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _table() -> dict[int, tuple[int, int]]:
+    """Every live process: pid -> (parent pid, start time)."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None:
+                table[int(name)] = stat
+    return table
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"ray" in f.read()
+    except OSError:
+        return False
+
+
+def ray_children(pid: int) -> set[Proc]:
+    """The live child processes of ``pid`` whose command line names Ray."""
+    if not sys.platform.startswith("linux"):
+        return set()
+    return {
+        (child, start)
+        for child, (parent, start) in _table().items()
+        if parent == pid and _is_ray(child)
+    }
+
+
+def _alive_with_descendants(procs: set[Proc]) -> set[Proc]:
+    """``procs`` still running (same pid and start time) and all their descendants."""
+    table = _table()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found = {(pid, start) for pid, start in procs if table.get(pid, (0, -1))[1] == start}
+    stack = [pid for pid, _ in found]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            proc = (child, table[child][1])
+            if proc not in found:
+                found.add(proc)
+                stack.append(child)
+    return found
+
+
+def start(driver: int, roots: set[Proc]) -> None:
+    """Watch ``roots`` (Ray processes the ``driver`` started) from a separate process."""
+    if not roots or not sys.platform.startswith("linux"):
+        return
+    driver_start = _stat(driver)
+    if driver_start is None:
+        return
+    args = [f"{pid}:{start}" for pid, start in sorted(roots)]
+    subprocess.Popen(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            os.path.abspath(__file__),
+            f"{driver}:{driver_start[1]}",
+            *args,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not in the driver's process group: a Ctrl-C does not stop it
+        close_fds=True,
+    )
+
+
+def _parse(arg: str) -> Proc:
+    pid, start = arg.split(":")
+    return int(pid), int(start)
+
+
+def watch(driver: Proc, roots: set[Proc]) -> None:
+    """Follow ``roots`` and their descendants; once the driver is gone, SIGKILL them all.
+
+    A process stays followed while it lives, also after its parent died (the
+    raylet's agents outlive it). Returns when nothing followed is left.
+    """
+    tracked = roots
+    while True:
+        stat = _stat(driver[0])
+        driver_alive = stat is not None and stat[1] == driver[1]
+        tracked = _alive_with_descendants(tracked)
+        if not tracked:
+            return  # ray.shutdown(): nothing left to watch
+        if not driver_alive:
+            for pid, _ in tracked:
+                with contextlib.suppress(OSError):  # it exited meanwhile
+                    os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch(_parse(sys.argv[1]), {_parse(arg) for arg in sys.argv[2:]})
