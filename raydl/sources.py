@@ -7,9 +7,18 @@ filesystem, bridges it to pyarrow with retries and an optional local disk cache
 a ``ray.data.Dataset`` plan: nothing is read until it is iterated (for example by
 :class:`raydl.RayDataLoader`), and ``map_batches``/``filter`` work as usual.
 
-Listing: Ray lists the given paths on the driver when the plan is built, in
-parallel Ray tasks when many paths are given. To spread the listing of a huge
-bucket, pass its sub-prefixes (e.g. one per label) rather than the root.
+Listing: a prefix is listed when the plan is built, on the driver. Its
+immediate sub-prefixes (e.g. ``train/<label>/``) are listed in parallel threads,
+each recursively, so a bucket with many labels does not page through one
+listing serially; the file list and its (sorted) order are the same as a
+serial listing's. Many paths given at once are expanded in parallel Ray tasks.
+
+Bad files: with the default ``on_bad_file="raise"``, a file that cannot be read
+or decoded (corrupt or truncated parquet, a non-image among images, an empty
+file) fails the read with an error naming it. With ``on_bad_file="skip"`` that
+file is left out whole, a warning names it, and it is recorded in a ledger
+(``raydl._internal.skips.snapshot()``); a remote that stays down is never a
+reason to skip (:class:`RemoteReadError` is raised).
 
 The filesystem must be reachable from every Ray worker: ``memory://`` holds its
 files in one process and is therefore not suitable.
@@ -17,9 +26,10 @@ files in one process and is therefore not suitable.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
 import pyarrow.fs as pafs
@@ -31,6 +41,7 @@ from raydl._internal.fs import (
     RemoteHandler,
     RetryPolicy,
     describe_endpoint,
+    list_files,
     to_pyarrow,
 )
 from raydl.errors import RemoteReadError
@@ -172,6 +183,7 @@ def read_parquet(
     cache: CacheLike = None,
     retry: RetryPolicy | None = None,
     include_paths: bool = False,
+    on_bad_file: Literal["raise", "skip"] = "raise",
     **ray_options: Any,
 ) -> ray.data.Dataset:
     """A lazy dataset of the rows of parquet files at fsspec URLs.
@@ -188,6 +200,12 @@ def read_parquet(
             disk so later epochs do not read the remote again.
         retry: Retries of remote calls (default :class:`RetryPolicy()`).
         include_paths: Add a ``path`` column with each row's file.
+        on_bad_file: ``"raise"``: a file that is not valid parquet (corrupt,
+            truncated, empty) is an error naming it. ``"skip"``: every file's
+            footer is read when the plan is built (in parallel threads), and the
+            bad ones are left out whole, warned about and recorded in the skip
+            ledger. A file whose footer is valid but whose data pages are
+            corrupt still fails the read, naming the file.
         **ray_options: Passed to ``ray.data.read_parquet`` (e.g.
             ``override_num_blocks``, ``concurrency``, ``filter``).
 
@@ -196,6 +214,9 @@ def read_parquet(
 
     Raises:
         FileNotFoundError: A path does not exist (the message names it).
+        ValueError: With ``on_bad_file="raise"``, a file is empty or its
+            footer cannot be read (the message names it); with ``"skip"``,
+            no readable file is left.
         RemoteReadError: The remote failed for longer than ``retry`` allows.
 
     Example:
@@ -210,17 +231,75 @@ def read_parquet(
     """
     import ray.data
 
+    from raydl._internal import skips
+
+    policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
     cluster.ensure_ray()
-    return ray.data.read_parquet(
+    # Read footers without the disk cache: a footer check must not download whole files.
+    footer_fs = fs
+    if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, RemoteHandler):
+        footer_fs = to_pyarrow(fs.handler.without_cache())
+    user_skips = ray_options.pop("skip_paths", None) or []
+    user_skips = [user_skips] if isinstance(user_skips, (str, os.PathLike)) else list(user_skips)
+    files = list_files(
+        fs,
         stripped,
-        filesystem=fs,
-        columns=list(columns) if columns is not None else None,
-        include_paths=include_paths,
-        **ray_options,
+        file_extensions=ray_options.get("file_extensions", ["parquet"]),
+        ignore_missing_paths=bool(ray_options.get("ignore_missing_paths", False)),
+        partition_filter=ray_options.get("partition_filter"),
+        exclude=frozenset(os.fspath(p) for p in user_skips),
     )
+
+    def read(skip_paths: list[Any]) -> ray.data.Dataset:
+        options, targets = dict(ray_options), list(stripped)
+        if skip_paths and ray.data.DataContext.get_current().use_datasource_v2:
+            options["skip_paths"] = skip_paths
+        elif skip_paths:  # Ray's older parquet reader has no skip_paths: name the files
+            left_out = {os.fspath(p) for p in skip_paths}
+            targets = [path for path, _ in files if path not in left_out]
+        return ray.data.read_parquet(
+            targets,
+            filesystem=fs,
+            columns=list(columns) if columns is not None else None,
+            include_paths=include_paths,
+            **options,
+        )
+
+    if policy == "skip":
+        skips.ledger()  # owned by this driver, so it lives as long as the job
+        bad = skips.find_bad_parquet_files(footer_fs, files)
+        for path, reason in bad:
+            skips.record_skip(path, reason)
+        if bad and len(bad) == len(files):
+            raise ValueError(
+                f"on_bad_file='skip' left no parquet file to read: all {len(files)} are bad, "
+                f"e.g. {bad[0][0]!r}: {bad[0][1]}"
+            )
+        return read(user_skips + [path for path, _ in bad])
+
+    empty = [path for path, size in files if size == 0]
+    if empty:
+        raise ValueError(
+            f"parquet file {empty[0]!r} is empty (0 bytes){_and_more(empty)}; delete it, or pass "
+            "on_bad_file='skip' to read the other files without it"
+        )
+    try:
+        return read(user_skips)
+    except (FileNotFoundError, PermissionError, RemoteReadError):
+        raise
+    except (ValueError, OSError) as err:
+        # Ray reads a sample of footers here and its error may not name the file: find it.
+        bad = skips.find_bad_parquet_files(footer_fs, files, first_only=True)
+        if not bad:
+            raise
+        path, reason = bad[0]
+        raise ValueError(
+            f"parquet file {path!r} cannot be read: {reason}. Replace or delete it, or pass "
+            "on_bad_file='skip' to read the other files without it"
+        ) from err
 
 
 def read_images(
@@ -233,6 +312,7 @@ def read_images(
     mode: str | None = None,
     cache: CacheLike = None,
     retry: RetryPolicy | None = None,
+    on_bad_file: Literal["raise", "skip"] = "raise",
     **ray_options: Any,
 ) -> ray.data.Dataset:
     """A lazy dataset of decoded images (an ``image`` column, and ``path``) at fsspec URLs.
@@ -247,6 +327,11 @@ def read_images(
         mode: PIL mode to convert to, e.g. ``"L"`` or ``"RGB"``.
         cache: A directory or :class:`CacheConfig` (see :func:`read_parquet`).
         retry: Retries of remote calls (default :class:`RetryPolicy()`).
+        on_bad_file: ``"raise"``: a file that cannot be read or decoded as an
+            image (e.g. a text file named ``.jpg``, an empty file) fails the
+            epoch with an error naming it. ``"skip"``: that file is left out,
+            warned about and recorded in the skip ledger; the others are read
+            exactly once.
         **ray_options: Passed to ``ray.data.read_images`` (e.g. ``file_extensions``).
 
     Returns:
@@ -265,12 +350,35 @@ def read_images(
     """
     import ray.data
 
+    from raydl._internal import skips
+
+    policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
     cluster.ensure_ray()
-    return ray.data.read_images(
-        stripped, filesystem=fs, include_paths=include_paths, size=size, mode=mode, **ray_options
+    if policy == "raise":
+        return ray.data.read_images(
+            stripped,
+            filesystem=fs,
+            include_paths=include_paths,
+            size=size,
+            mode=mode,
+            **ray_options,
+        )
+    from ray.data._internal.datasource.image_datasource import ImageFileMetadataProvider
+
+    ray_options.setdefault("file_extensions", skips.SkippingImageDatasource._FILE_EXTENSIONS)
+    return _read_skipping(
+        skips.SkippingImageDatasource,
+        stripped,
+        fs,
+        open_args_option="arrow_open_file_args",
+        ray_options=ray_options,
+        include_paths=include_paths,
+        size=size,
+        mode=mode,
+        meta_provider=ImageFileMetadataProvider(),
     )
 
 
@@ -282,6 +390,7 @@ def read_binary_files(
     include_paths: bool = True,
     cache: CacheLike = None,
     retry: RetryPolicy | None = None,
+    on_bad_file: Literal["raise", "skip"] = "raise",
     **ray_options: Any,
 ) -> ray.data.Dataset:
     """A lazy dataset of whole objects as bytes (a ``bytes`` column, and ``path``).
@@ -293,6 +402,9 @@ def read_binary_files(
         include_paths: Add a ``path`` column (the key without scheme).
         cache: A directory or :class:`CacheConfig` (see :func:`read_parquet`).
         retry: Retries of remote calls (default :class:`RetryPolicy()`).
+        on_bad_file: ``"raise"``: a file that cannot be read (e.g. deleted
+            after listing) fails the epoch with an error naming it. ``"skip"``:
+            it is left out, warned about and recorded in the skip ledger.
         **ray_options: Passed to ``ray.data.read_binary_files``.
 
     Returns:
@@ -305,13 +417,58 @@ def read_binary_files(
     """
     import ray.data
 
+    from raydl._internal import skips
+
+    policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
     cluster.ensure_ray()
-    return ray.data.read_binary_files(
-        stripped, filesystem=fs, include_paths=include_paths, **ray_options
+    if policy == "raise":
+        return ray.data.read_binary_files(
+            stripped, filesystem=fs, include_paths=include_paths, **ray_options
+        )
+    from ray.data.datasource.file_meta_provider import DefaultFileMetadataProvider
+
+    return _read_skipping(
+        skips.SkippingBinaryDatasource,
+        stripped,
+        fs,
+        open_args_option="arrow_open_stream_args",
+        ray_options=ray_options,
+        include_paths=include_paths,
+        meta_provider=DefaultFileMetadataProvider(),
     )
+
+
+def _read_skipping(
+    datasource_cls: type[Any],
+    paths: list[str],
+    filesystem: pafs.FileSystem,
+    *,
+    open_args_option: str,
+    ray_options: dict[str, Any],
+    **datasource_options: Any,
+) -> ray.data.Dataset:
+    """What ``ray.data.read_images``/``read_binary_files`` do, with a skipping datasource.
+
+    ``ray_options`` are split as Ray's readers split them: the options of
+    ``ray.data.read_datasource`` (resources, concurrency, block counts) go
+    there, the rest to the datasource.
+    """
+    import ray.data
+
+    from raydl._internal import skips
+
+    read_params = set(inspect.signature(ray.data.read_datasource).parameters)
+    read_params -= {"datasource", "read_args"}
+    read_kwargs = {k: v for k, v in ray_options.items() if k in read_params}
+    source_kwargs = {k: v for k, v in ray_options.items() if k not in read_params}
+    if open_args_option in source_kwargs:
+        source_kwargs["open_stream_args"] = source_kwargs.pop(open_args_option)
+    skips.ledger()  # owned by this driver, so it lives as long as the job
+    datasource = datasource_cls(paths, filesystem=filesystem, **datasource_options, **source_kwargs)
+    return ray.data.read_datasource(datasource, **read_kwargs)
 
 
 def _as_path_list(paths: PathsLike) -> list[str]:
@@ -326,6 +483,10 @@ def _as_path_list(paths: PathsLike) -> list[str]:
     if not path_list:
         raise ValueError("paths option should name at least one path or URL, got an empty list")
     return path_list
+
+
+def _and_more(paths: list[str]) -> str:
+    return f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
 
 
 def _strip(path: str) -> str:

@@ -8,7 +8,10 @@ fsspec filesystem with ``PyFileSystem(FSSpecHandler(fs))``. raydl's handler
   that restarts within the budget costs a delay, not the epoch;
 * an error that names the endpoint and the object key when the budget runs out
   (:class:`RemoteReadError`);
-* optionally, a local disk cache of whole objects (:mod:`raydl._internal.cache`).
+* optionally, a local disk cache of whole objects (:mod:`raydl._internal.cache`);
+* a recursive listing of a prefix that lists its immediate sub-prefixes (one
+  level, e.g. ``train/<label>/``) in parallel threads instead of paging through
+  the whole prefix serially.
 
 The handler is pickled into every Ray read task; it carries only the fsspec
 filesystem (which pickles by its constructor arguments), the policy and the
@@ -22,6 +25,7 @@ import io
 import random
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,14 +40,19 @@ if TYPE_CHECKING:
     from raydl._internal.cache import DiskCache
 
 __all__ = [
+    "LISTING_THREADS",
     "RemoteHandler",
     "RemoteReadError",
     "RetryPolicy",
     "describe_endpoint",
+    "list_files",
     "to_pyarrow",
 ]
 
 T = TypeVar("T")
+
+#: Threads that list the sub-prefixes of one prefix at once (see RemoteHandler.get_file_info_selector).
+LISTING_THREADS = 16
 
 # Errors that another attempt cannot fix: the object or the permission is missing.
 _PERMANENT: tuple[type[BaseException], ...] = (
@@ -217,6 +226,8 @@ class RemoteHandler(pafs.FSSpecHandler):
         endpoint: Where ``fs`` points (see :func:`describe_endpoint`), for error messages.
         retry: The retry policy of every remote call.
         cache: A disk cache of whole objects, or ``None`` to read remote each time.
+        listing_threads: Sub-prefixes listed at once by a recursive listing
+            (1 lists the whole prefix in one serial walk).
     """
 
     def __init__(
@@ -226,11 +237,23 @@ class RemoteHandler(pafs.FSSpecHandler):
         endpoint: str,
         retry: RetryPolicy,
         cache: DiskCache | None = None,
+        listing_threads: int = LISTING_THREADS,
     ) -> None:
         super().__init__(fs)
         self.endpoint = endpoint
         self.retry = retry
         self.cache = cache
+        self.listing_threads = listing_threads
+
+    def without_cache(self) -> RemoteHandler:
+        """The same handler without its disk cache (for reads that need only a few bytes)."""
+        return RemoteHandler(
+            self.fs,
+            endpoint=self.endpoint,
+            retry=self.retry,
+            cache=None,
+            listing_threads=self.listing_threads,
+        )
 
     def call(self, fn: Callable[[], T], what: str, key: str) -> T:
         """Run one remote call under the retry policy."""
@@ -252,11 +275,49 @@ class RemoteHandler(pafs.FSSpecHandler):
         )
 
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        """List ``selector.base_dir``; a recursive listing fans out over its sub-prefixes.
+
+        Ray Data lists a single prefix with one recursive selector, which an
+        object store answers page by page, serially. Here the prefix is listed
+        one level deep first, then each sub-prefix (e.g. ``train/<label>/``) is
+        listed recursively in its own thread. The result holds the same entries,
+        sorted by path; a missing prefix raises ``FileNotFoundError`` naming it.
+        """
+        if not selector.recursive or self.listing_threads <= 1:
+            return self._list(selector)
+        top = self._list(
+            pafs.FileSelector(
+                selector.base_dir, recursive=False, allow_not_found=selector.allow_not_found
+            )
+        )
+        subdirs = [info.path for info in top if info.type == pafs.FileType.Directory]
+        if not subdirs:
+            return sorted(top, key=lambda info: info.path)
+        with ThreadPoolExecutor(
+            max_workers=min(self.listing_threads, len(subdirs)), thread_name_prefix="raydl-list"
+        ) as pool:
+            below = list(pool.map(self._find_below, subdirs))
+        infos = top + [info for infos in below for info in infos]
+        return sorted(infos, key=lambda info: info.path)
+
+    def _list(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
         return self.call(
             lambda: super(RemoteHandler, self).get_file_info_selector(selector),
             "listing",
             selector.base_dir,
         )
+
+    def _find_below(self, prefix: str) -> list[pafs.FileInfo]:
+        """Every entry under the directory ``prefix`` (not ``prefix`` itself), as pyarrow lists it."""
+        found = self.call(
+            lambda: self.fs.find(prefix, withdirs=True, detail=True), "listing", prefix
+        )
+        base = prefix.strip("/")
+        return [
+            self._create_file_info(path, info)
+            for path, info in found.items()
+            if path.strip("/") != base
+        ]
 
     def open_input_file(self, path: str) -> pa.NativeFile:
         info = self.info(path)
@@ -277,3 +338,63 @@ class RemoteHandler(pafs.FSSpecHandler):
 def to_pyarrow(handler: RemoteHandler) -> pafs.PyFileSystem:
     """The pyarrow filesystem that Ray Data's readers take."""
     return pafs.PyFileSystem(handler)
+
+
+def list_files(
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    *,
+    file_extensions: list[str] | None = None,
+    ignore_missing_paths: bool = False,
+    partition_filter: Callable[[list[str]], list[str]] | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> list[tuple[str, int | None]]:
+    """``(path, size)`` of the files Ray Data's file readers would read under ``paths``.
+
+    Ray Data's rules: a file path is itself; a directory is listed recursively
+    (sorted by path), leaving out entries whose path relative to it starts with
+    ``.`` or ``_``; then ``file_extensions`` (case-insensitive) and
+    ``partition_filter`` apply. Paths in ``exclude`` are left out.
+
+    Raises:
+        FileNotFoundError: A path does not exist (unless ``ignore_missing_paths``).
+    """
+    extensions = None
+    if file_extensions is not None:
+        extensions = tuple("." + e.lower().lstrip(".") for e in file_extensions)
+
+    def expand(path: str) -> list[tuple[str, int | None]]:
+        if path in exclude:
+            return []
+        info = filesystem.get_file_info(path)
+        if info.type == pafs.FileType.File:
+            return [(path, info.size)]
+        if info.type == pafs.FileType.NotFound:
+            if ignore_missing_paths:
+                return []
+            raise FileNotFoundError(path)
+        selector = pafs.FileSelector(path, recursive=True, allow_not_found=ignore_missing_paths)
+        out = []
+        for entry in filesystem.get_file_info(selector):
+            if not entry.is_file or not entry.path.startswith(selector.base_dir):
+                continue
+            relative = entry.path[len(selector.base_dir) :].lstrip("/")
+            if relative.startswith((".", "_")) or entry.path in exclude:
+                continue
+            out.append((entry.path, entry.size))
+        return sorted(out)
+
+    if len(paths) == 1:
+        expanded = [expand(paths[0])]
+    else:
+        with ThreadPoolExecutor(
+            max_workers=min(LISTING_THREADS, len(paths)), thread_name_prefix="raydl-list"
+        ) as pool:
+            expanded = list(pool.map(expand, paths))
+    files = [f for part in expanded for f in part]
+    if extensions is not None:
+        files = [f for f in files if f[0].lower().endswith(extensions)]
+    if partition_filter is not None and files:
+        kept = set(partition_filter([p for p, _ in files]))
+        files = [f for f in files if f[0] in kept]
+    return files
