@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,9 @@ import pyarrow.fs as pafs
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
+import raydl
 from raydl._internal.cache import DiskCache
-from raydl._internal.fs import RemoteHandler
+from raydl._internal.fs import RemoteHandler, list_files
 from raydl.sources import (
     CacheConfig,
     RemoteReadError,
@@ -38,6 +40,47 @@ class SlowLocalFS(LocalFileSystem):
     def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
         time.sleep(self.delay_s)
         super().get_file(rpath, lpath, **kwargs)
+
+
+class ListingProbeFS(LocalFileSystem):
+    """A local filesystem whose listings take a while and record how many ran at once."""
+
+    protocol = ("probelocal",)
+    delay_s = 0.05
+    lock = threading.Lock()
+    active = 0
+    peak = 0
+
+    def find(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        cls = type(self)
+        with cls.lock:
+            cls.active += 1
+            cls.peak = max(cls.peak, cls.active)
+        try:
+            time.sleep(self.delay_s)
+            return super().find(path, *args, **kwargs)
+        finally:
+            with cls.lock:
+                cls.active -= 1
+
+
+def _label_tree(root: Path, labels: int = 8, per_label: int = 4) -> None:
+    """``root/<label>/<i>.bin``, plus a top-level file, a nested folder and hidden entries."""
+    for label in range(labels):
+        for i in range(per_label):
+            path = root / str(label) / f"{i}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(bytes([label, i]) * (label + 1))
+    (root / "top.bin").write_bytes(b"top")
+    (root / "3" / "nested").mkdir()
+    (root / "3" / "nested" / "deep.bin").write_bytes(b"deep")
+    (root / "_hidden").mkdir()
+    (root / "_hidden" / "x.bin").write_bytes(b"hidden")
+    (root / ".dot.bin").write_bytes(b"dot")
+
+
+def _infos(infos: list[pafs.FileInfo]) -> list[tuple[str, Any, Any]]:
+    return [(i.path, i.type, i.size) for i in infos]
 
 
 def _handler(cache_dir: Path, max_bytes: int | None = None) -> RemoteHandler:
@@ -181,3 +224,86 @@ def test_cache_in_ray_workers_with_latency(tmp_path: Path) -> None:
 @pytest.mark.timeout(10)
 def test_fsspec_registry_untouched() -> None:
     assert "slowlocal" not in fsspec.available_protocols()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("threads", [8, 1])
+def test_recursive_listing_lists_sub_prefixes_in_parallel(tmp_path: Path, threads: int) -> None:
+    _label_tree(tmp_path)
+    ListingProbeFS.peak = 0
+    handler = RemoteHandler(
+        ListingProbeFS(), endpoint="e", retry=RetryPolicy(attempts=1), listing_threads=threads
+    )
+    selector = pafs.FileSelector(str(tmp_path), recursive=True)
+    serial = sorted(_infos(pafs.FSSpecHandler(LocalFileSystem()).get_file_info_selector(selector)))
+    assert _infos(handler.get_file_info_selector(selector)) == serial  # same entries, sorted
+    if threads == 1:
+        assert ListingProbeFS.peak == 1
+    else:  # several labels listed at once (all 8 unless the box is very busy)
+        assert ListingProbeFS.peak > 1
+    assert _infos(handler.get_file_info_selector(pafs.FileSelector(str(tmp_path)))) == sorted(
+        _infos(
+            pafs.FSSpecHandler(LocalFileSystem()).get_file_info_selector(
+                pafs.FileSelector(str(tmp_path))
+            )
+        )
+    )
+
+
+@pytest.mark.timeout(30)
+def test_recursive_listing_of_a_missing_prefix_names_it(tmp_path: Path) -> None:
+    handler = RemoteHandler(ListingProbeFS(), endpoint="e", retry=RetryPolicy(attempts=1))
+    missing = str(tmp_path / "no-such-prefix")
+    with pytest.raises(FileNotFoundError, match="no-such-prefix"):
+        handler.get_file_info_selector(pafs.FileSelector(missing, recursive=True))
+    assert (
+        handler.get_file_info_selector(
+            pafs.FileSelector(missing, recursive=True, allow_not_found=True)
+        )
+        == []
+    )
+    with pytest.raises(FileNotFoundError, match="no-such-prefix"):
+        read_binary_files(missing, filesystem=ListingProbeFS())
+
+
+@pytest.mark.timeout(120)
+def test_parallel_listing_reads_the_same_files_in_the_same_order(tmp_path: Path) -> None:
+    _label_tree(tmp_path)
+    ListingProbeFS.peak = 0
+    parallel = read_binary_files(str(tmp_path), filesystem=ListingProbeFS())  # lists here
+    assert ListingProbeFS.peak > 1
+    serial = read_binary_files(str(tmp_path))  # pyarrow's own local listing
+
+    def rows(ds: Any) -> list[tuple[str, bytes]]:
+        loader = raydl.RayDataLoader(ds, batch_size=5)
+        return [
+            (p, bytes(b))
+            for batch in loader
+            for p, b in zip(batch["path"], batch["bytes"], strict=True)
+        ]
+
+    got = rows(parallel)
+    assert got == rows(serial)
+    assert [p for p, _ in got] == sorted(p for p, _ in got)
+    assert len(got) == 8 * 4 + 2  # labels, top.bin and 3/nested/deep.bin; no hidden entries
+
+
+@pytest.mark.timeout(30)
+def test_list_files_follows_ray_rules(tmp_path: Path) -> None:
+    _label_tree(tmp_path)
+    (tmp_path / "1" / "readme.txt").write_text("not data")
+    fs = pafs.PyFileSystem(RemoteHandler(ListingProbeFS(), endpoint="e", retry=RetryPolicy()))
+    files = list_files(fs, [str(tmp_path)], file_extensions=["BIN"])
+    paths = [p for p, _ in files]
+    assert paths == sorted(paths)
+    assert str(tmp_path / "top.bin") in paths
+    assert str(tmp_path / "3" / "nested" / "deep.bin") in paths
+    assert not any("hidden" in p or ".dot" in p or p.endswith(".txt") for p in paths)
+    assert dict(files)[str(tmp_path / "top.bin")] == 3
+    one = str(tmp_path / "0" / "1.bin")
+    assert list_files(fs, [one, str(tmp_path / "1")], exclude=frozenset({one}))[0][0].startswith(
+        str(tmp_path / "1")
+    )
+    with pytest.raises(FileNotFoundError, match="nope"):
+        list_files(fs, [str(tmp_path / "nope")])
+    assert list_files(fs, [str(tmp_path / "nope")], ignore_missing_paths=True) == []
