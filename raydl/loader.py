@@ -39,6 +39,7 @@ from raydl._internal.metrics import EpochStats, summarize
 from raydl._internal.overlap import NextEpoch
 from raydl._internal.plan import SHUFFLE_MODES, EpochPlan, plan_epoch
 from raydl._internal.pool import WorkerPool
+from raydl._internal.resume import can_rebuild, map_style_share, ray_shares, sampler_spec
 from raydl._internal.shuffle import seed_from_torch
 from raydl._internal.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.workers import WorkerSpec
@@ -364,6 +365,10 @@ class RayDataLoader(Iterable[Any]):
         self._epoch_in_progress = 0
         self._epoch_rng: dict[str, str] | None = None
         self._epoch_sampler_epoch: int | None = None
+        # the epoch's earlier segments [(world size, batches)] when it was resumed elastically
+        self._epoch_prior: list[tuple[int, int]] = []
+        self._epoch_order: dict[str, Any] | None = None
+        self._worker_seed: int | None = None  # base seed of the current workers
         self._resume: LoaderState | None = None
         self._next = NextEpoch()  # Ray Data: the next epoch, started early
         self._stats: list[EpochStats] = []
@@ -466,6 +471,19 @@ class RayDataLoader(Iterable[Any]):
             seed=self._base_seed,
             rng=self._epoch_rng if in_progress else None,
             sampler_epoch=self._epoch_sampler_epoch if in_progress else None,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            progress=[
+                [w, k]
+                for w, k in [
+                    *self._epoch_prior,
+                    (self._world.world_size, iterator.num_yielded),
+                ]
+            ]
+            if in_progress
+            else None,
+            order=self._epoch_order if in_progress else None,
+            worker_seed=self._worker_seed if self.persistent_workers else None,
         )
         return state.to_dict()
 
@@ -488,8 +506,19 @@ class RayDataLoader(Iterable[Any]):
 
         Raises:
             StateMismatchError: The state was saved from another kind of dataset, a
-                dataset of another length, another seed, another world size, or
-                another state version; the message names both values.
+                dataset of another length or batch size, another seed, or another
+                state version; or at another world size by a source that cannot be
+                re-dealt (``IterableDataset``, a custom sampler). The message names
+                both values.
+
+        Elastic resume: a state saved mid-epoch by ``W`` ranks (each rank's state,
+        saved at the same step, as DDP checkpoints do) can be loaded by ``W'``
+        ranks. The samples that no rank had consumed are then dealt to the ``W'``
+        ranks in equal batch counts (exactly once when the counts allow it;
+        otherwise a few repeat, as torch's ``DistributedSampler`` pads), and the
+        following epochs use the ``W'``-rank sharding. Map-style datasets rebuild
+        the order from torch's samplers and fetch nothing twice; Ray Data runs
+        the epoch's pipeline once more on rank 0 to find the rows left.
         """
         state = LoaderState.from_dict(state_dict)
         state.check_matches(
@@ -497,6 +526,8 @@ class RayDataLoader(Iterable[Any]):
             dataset_len=self._dataset_len(),
             seed=self._base_seed,
             world_size=self._world.world_size,
+            batch_size=self.batch_size,
+            elastic=self._is_ray_dataset or (not self._is_iterable and can_rebuild(state)),
         )
         self._close_iterator()
         self._next.discard()
@@ -543,12 +574,11 @@ class RayDataLoader(Iterable[Any]):
         epoch = self._next_epoch
         self._next_epoch += 1
         resume, self._resume = self._resume, None
-        skip = resume.batches_consumed if resume is not None else 0
         pin = self._use_pinned_memory()
         prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
         iterator: Any
         if self._is_ray_dataset:
-            iterator = self._iter_ray_dataset(epoch, pin, prefetch, skip)
+            iterator = self._iter_ray_dataset(epoch, pin, prefetch, resume)
         else:
             iterator = self._iter_torch_dataset(epoch, pin, prefetch, resume)
         device = resolve_device(self.options.device)
@@ -587,46 +617,76 @@ class RayDataLoader(Iterable[Any]):
         )
 
     def _iter_ray_dataset(
-        self, epoch: int, pin: bool, prefetch: int, skip: int
+        self, epoch: int, pin: bool, prefetch: int, resume: LoaderState | None
     ) -> RayDatasetIterator:
         world = self._world
         self._epoch_in_progress = epoch
-        if not world.is_distributed:
+        self._epoch_prior, self._epoch_order = [], None
+        skip = resume.batches_consumed if resume is not None else 0
+        elastic = resume is not None and resume.needs_elastic(world.world_size)
+        if not world.is_distributed and not elastic:
             early = self._next.take(epoch) if skip == 0 else None
             if early is None:
                 self._next.discard()
                 early = self._single_rank_iterator(epoch, pin, prefetch, skip)
             return early
-        # Rank 0 plans and splits the epoch; every rank takes its split. The
-        # broadcast is also where rank 0 learns that every rank finished the
-        # previous epoch, so it can let go of the previous splits.
-        channel = Channel.get(world)
-        message = None
+        # Rank 0 plans (and splits) the epoch; every rank takes its part. Under
+        # several ranks the broadcast is also where rank 0 learns that every rank
+        # finished the previous epoch, so it can let go of the previous splits.
+        message: tuple[Any, ...] | None = None
         if world.rank == 0:
             plan = self._plan(epoch)
-            splits = plan.dataset.streaming_split(world.world_size, equal=True)
-            message = (epoch, splits, plan.local_shuffle_buffer_size, plan.local_shuffle_seed)
-        epoch, splits, buffer, buffer_seed = channel.broadcast(message)
+            if elastic:
+                assert resume is not None
+                shares = ray_shares(
+                    plan.dataset,
+                    resume,
+                    world.world_size,
+                    batch_size=self.batch_size or 1,
+                    drop_last=self.drop_last,
+                    buffer=plan.local_shuffle_buffer_size,
+                    buffer_seed=plan.local_shuffle_seed,
+                )
+                message = (epoch, shares, None, None, False)
+            else:
+                splits = plan.dataset.streaming_split(world.world_size, equal=True)
+                message = (
+                    epoch,
+                    splits,
+                    plan.local_shuffle_buffer_size,
+                    plan.local_shuffle_seed,
+                    True,
+                )
+        if world.is_distributed:
+            channel = Channel.get(world)
+            message = channel.broadcast(message)
+        assert message is not None
+        epoch, parts, buffer, buffer_seed, are_splits = message
         self._next_epoch = epoch + 1
         self._epoch_in_progress = epoch
         self._retire_splits()
-        self._splits = splits if world.rank == 0 else None
-        if buffer_seed is not None:
-            buffer_seed = (buffer_seed + world.rank) % (2**31 - 1)
-        barrier_timeout = self.timeout if self.timeout > 0 else 1800.0
+        self._splits = parts if world.rank == 0 and are_splits else None
+        hooks: dict[str, Any] = {}
+        length = None
+        source: Any
+        if are_splits:
+            source = parts[world.rank]
+            if buffer_seed is not None:
+                buffer_seed = (buffer_seed + world.rank) % (2**31 - 1)
+        else:
+            assert resume is not None
+            source, length = parts[world.rank]
+            self._epoch_prior = resume.segments
+            skip = 0
+        if world.is_distributed:
+            barrier_timeout = self.timeout if self.timeout > 0 else 1800.0
 
-        def on_exhausted() -> None:
-            channel.barrier(barrier_timeout, f"the end of epoch {epoch}")
+            def on_exhausted() -> None:
+                channel.barrier(barrier_timeout, f"the end of epoch {epoch}")
 
+            hooks["on_exhausted"] = on_exhausted
         return self._ray_iterator(
-            splits[world.rank],
-            buffer,
-            buffer_seed,
-            epoch,
-            pin,
-            prefetch,
-            skip,
-            on_exhausted=on_exhausted,
+            source, buffer, buffer_seed, epoch, pin, prefetch, skip, length=length, **hooks
         )
 
     def _single_rank_iterator(
@@ -669,6 +729,7 @@ class RayDataLoader(Iterable[Any]):
         pin: bool,
         prefetch: int,
         skip: int,
+        length: int | None = None,
         **hooks: Any,
     ) -> RayDatasetIterator:
         return RayDatasetIterator(
@@ -681,7 +742,7 @@ class RayDataLoader(Iterable[Any]):
             prefetch=prefetch,
             timeout=self.timeout,
             pin_memory=pin,
-            length=self._length_or_none(epoch),
+            length=length if length is not None else self._length_or_none(epoch),
             epoch=epoch,
             skip=skip,
             **hooks,
@@ -692,20 +753,42 @@ class RayDataLoader(Iterable[Any]):
     ) -> Any:
         if self._auto_sharded:
             self.sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        if resume is not None:
-            self._restore_rng(resume)
+        world = self._world
         self._epoch_in_progress = epoch
-        self._epoch_rng = self._capture_rng()
-        self._epoch_sampler_epoch = getattr(self.sampler, "epoch", None)
-        # torch draws the sampler iterator, then the workers' base seed, in this order;
-        # persistent workers are seeded once, so torch draws that seed only the first time.
-        index_iter = iter(self._index_sampler) if not self._is_iterable else None
+        self._epoch_prior = []
+        index_iter: Iterator[Any] | None
+        if resume is not None and resume.needs_elastic(world.world_size):
+            # The rest of an epoch saved at another world size: rebuild its order
+            # and deal what no rank consumed; the state keeps describing that epoch.
+            share = map_style_share(
+                resume, world.world_size, world.rank, self.batch_size, self.drop_last
+            )
+            self._epoch_rng, self._epoch_sampler_epoch = resume.rng, resume.sampler_epoch
+            self._epoch_order, self._epoch_prior = resume.order, resume.segments
+            index_iter, length, resume = iter(share), len(share), None
+        else:
+            if resume is not None:
+                self._restore_rng(resume)
+            self._epoch_rng = self._capture_rng()
+            self._epoch_sampler_epoch = getattr(self.sampler, "epoch", None)
+            self._epoch_order = {
+                **sampler_spec(self.sampler, self.batch_sampler),
+                "worker_seed_drawn": not (self.persistent_workers and self._pool is not None),
+            }
+            # torch draws the sampler iterator, then the workers' base seed, in this
+            # order; persistent workers are seeded once, so torch draws it only once.
+            index_iter = iter(self._index_sampler) if not self._is_iterable else None
+            length = len(self._index_sampler) if not self._is_iterable else 0
         if self.persistent_workers and self._pool is not None:
             pool = self._pool
         else:
-            base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
-            )
+            if self.persistent_workers and resume is not None and resume.worker_seed is not None:
+                base_seed = resume.worker_seed  # drawn in the first epoch, not now
+            else:
+                base_seed = int(
+                    torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                )
+            self._worker_seed = base_seed
             pool = self._fresh_pool(base_seed)
             if self.persistent_workers:
                 self._pool = pool
@@ -736,7 +819,7 @@ class RayDataLoader(Iterable[Any]):
             in_order=self.in_order,
             timeout=self.timeout,
             pin_memory=pin,
-            length=len(self._index_sampler),
+            length=length,
             on_close=on_close,
         )
 

@@ -1,9 +1,9 @@
 """Versioned, JSON-able iteration state: where an epoch stood, and how to get back there.
 
-Schema (``version`` 1)::
+Schema (``version`` 2)::
 
     {
-      "version": 1,
+      "version": 2,
       "kind": "map" | "iterable" | "ray",   # the dataset kind it was saved from
       "epoch": int,                          # the epoch in progress (or the next one)
       "batches_consumed": int,               # batches handed to the trainer in that epoch
@@ -12,11 +12,24 @@ Schema (``version`` 1)::
       "seed": int,                           # raydl's base seed (Ray Data shuffles)
       "rng": {"source": "generator" | "global", "state": base64} | null,
                                              # torch RNG state at the start of the epoch
-      "sampler_epoch": int | null            # DistributedSampler.epoch at the epoch start
+      "sampler_epoch": int | null,           # DistributedSampler.epoch at the epoch start
+      "batch_size": int | null,
+      "drop_last": bool,
+      "progress": [[int, int], ...],         # the epoch's segments: [world size, batches
+                                             # each rank consumed]; more than one after an
+                                             # elastic resume; the last is the current one
+      "order": {"sampler": "random" | "sequential" | "distributed" | "other",
+                "seed": int, "shuffle": bool, "drop_last": bool,
+                "worker_seed_drawn": bool} | null
+                                             # map-style: how to rebuild the epoch's order
+                                             # at another world size
+      "worker_seed": int | null              # persistent workers: their base seed (torch
+                                             # draws it once, in the first epoch)
     }
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
-consumed, so a resume re-delivers them.
+consumed, so a resume re-delivers them. Version 1 states (no ``batch_size``,
+``drop_last``, ``progress``, ``order``) still load, at the same world size.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ import torch
 
 from raydl.errors import StateMismatchError
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
 
 def encode_rng(state: torch.Tensor) -> str:
@@ -54,7 +68,25 @@ class LoaderState:
     seed: int
     rng: dict[str, str] | None = None
     sampler_epoch: int | None = None
+    batch_size: int | None = None
+    drop_last: bool = False
+    progress: list[list[int]] | None = None
+    order: dict[str, Any] | None = None
+    worker_seed: int | None = None
     version: int = STATE_VERSION
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """``(world size, batches consumed per rank)`` of each segment of the epoch."""
+        if self.progress:
+            return [(int(w), int(k)) for w, k in self.progress]
+        return [(self.world_size, self.batches_consumed)]
+
+    def needs_elastic(self, world_size: int) -> bool:
+        """Whether resuming at ``world_size`` re-deals the rest of the epoch."""
+        return self.batches_consumed > 0 and (
+            len(self.segments) > 1 or self.world_size != world_size
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able form."""
@@ -66,10 +98,10 @@ class LoaderState:
         if not isinstance(state, dict):
             raise TypeError(f"state should be a dict from state_dict(), got {type(state).__name__}")
         version = state.get("version")
-        if version != STATE_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise StateMismatchError(
-                f"state version {version!r} is not supported: this raydl reads version "
-                f"{STATE_VERSION}; save the state again with this raydl version."
+                f"state version {version!r} is not supported: this raydl reads versions "
+                f"{_READABLE_VERSIONS}; save the state again with this raydl version."
             )
         fields = {name: state[name] for name in cls.__dataclass_fields__ if name in state}
         try:
@@ -78,15 +110,28 @@ class LoaderState:
             raise StateMismatchError(f"state is missing fields: {err}") from None
 
     def check_matches(
-        self, *, kind: str, dataset_len: int | None, seed: int, world_size: int
+        self,
+        *,
+        kind: str,
+        dataset_len: int | None,
+        seed: int,
+        world_size: int,
+        batch_size: int | None,
+        elastic: bool,
     ) -> None:
-        """Raise :class:`StateMismatchError` naming both values when the state does not fit."""
+        """Raise :class:`StateMismatchError` naming both values when the state does not fit.
+
+        ``elastic``: whether this loader can resume the epoch at another world size.
+        """
         pairs = [
             ("dataset kind", self.kind, kind),
             ("dataset length", self.dataset_len, dataset_len),
             ("seed", self.seed, seed),
-            ("world size", self.world_size, world_size),
         ]
+        if self.version >= 2:
+            pairs.append(("batch size", self.batch_size, batch_size))
+        if self.needs_elastic(world_size) and not (elastic and self.version >= 2):
+            pairs.append(("world size", self.world_size, world_size))
         for what, saved, current in pairs:
             if saved != current:
                 raise StateMismatchError(
