@@ -1,0 +1,110 @@
+"""What a test can observe of a Ray session from outside raydl: processes, threads, actors.
+
+The embedded Ray runs without its dashboard, so Ray's state API (``list_tasks``,
+``list_actors``) is not available; these helpers read the GCS actor table and
+the process tree instead. Ray worker processes name themselves after the task
+they run (``ray::MapBatches(f)``) and ``ray::IDLE`` when idle.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+#: Ray's own helper actors (Ray Data's stats and autoscaling coordinators), alive for the session.
+RAY_SERVICE_ACTORS = frozenset(
+    {"_StatsActor", "_AutoscalingCoordinatorActor", "AutoscalingRequester"}
+)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, every: float = 0.2) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return predicate()
+
+
+def session_processes() -> list[psutil.Process]:
+    """The Ray processes of this process's embedded instance (all its descendants)."""
+    alive = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def busy_workers() -> list[str]:
+    """Titles of this session's Ray workers that are running a task or hold an actor."""
+    titles = []
+    for proc in session_processes():
+        try:
+            name = proc.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("ray::") and name not in {"ray::IDLE"} and "Agent" not in name:
+            titles.append(name)
+    return [t for t in titles if t.removeprefix("ray::").split(".")[0] not in RAY_SERVICE_ACTORS]
+
+
+def live_actors() -> list[str]:
+    """Class names of the actors alive in the cluster, Ray's own service actors left out."""
+    import ray
+
+    return sorted(
+        actor["ActorClassName"]
+        for actor in ray._private.state.actors().values()
+        if actor["State"] != "DEAD" and actor["ActorClassName"] not in RAY_SERVICE_ACTORS
+    )
+
+
+def raydl_threads() -> list[str]:
+    """Names of raydl's and Ray Data's live threads in this process."""
+    prefixes = ("raydl", "StreamingExecutor", "iter_threaded", "Prefetcher", "ray-data")
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(prefixes))
+
+
+def free_cpus() -> float:
+    import ray
+
+    return float(ray.available_resources().get("CPU", 0.0))
+
+
+def private_memory(proc: psutil.Process | None = None) -> int:
+    """Resident memory not shared with other processes (the object store's pages are shared)."""
+    info = (proc or psutil.Process()).memory_info()
+    return int(info.rss - info.shared)
+
+
+def open_fds() -> int:
+    return psutil.Process().num_fds()
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Pids of every process on this machine whose environment has ``name=value``."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for pid in psutil.pids():
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in entries:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    found.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+    return found
