@@ -1,0 +1,44 @@
+"""A training process for the driver-kill test: raydl's embedded Ray, both kinds of source.
+
+``serve``: iterates a map-style loader (Ray actors) and a Ray Data loader (Ray
+Data tasks) side by side, prints ``READY <pid>`` after a few steps and goes on
+until it is killed. ``finish``: one epoch of each, then ``DONE`` and a normal exit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import ray
+from _faulty import PidData
+
+import raydl
+
+
+def main(mode: str) -> None:
+    if os.environ.get("RAYDL_TEST_NO_REAPER"):  # to see what the test catches without the fix
+        from raydl._internal import reaper
+
+        reaper.start = lambda *args: None
+    raydl.init(num_cpus=2)
+    ds = ray.data.range(2000, override_num_blocks=20).map_batches(lambda b: b, batch_size=50)
+    tabular = raydl.RayDataLoader(ds, batch_size=10)
+    samples = raydl.RayDataLoader(PidData(200), batch_size=10, num_workers=2)
+    steps = 0
+    while True:
+        for _ in zip(tabular, samples, strict=False):
+            steps += 1
+            if steps == 3:
+                print(f"READY {os.getpid()}", flush=True)
+            time.sleep(0.05 if mode == "serve" else 0)
+        if mode == "finish":
+            break
+    tabular.close()
+    samples.close()
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,129 @@
+"""Item 11: the training process is SIGKILLed while raydl's embedded Ray is running.
+
+The trainer runs as a subprocess with its own ``RAY_TMPDIR``. Its Ray session's
+processes are found twice: as the trainer's descendants while it runs (Ray's
+agents are among them, but do not inherit ``RAY_TMPDIR``), and, after the kill,
+by that variable in their environment (workers started later inherit it),
+wherever they were reparented. A process counts as the same one only with the
+same start time, so a reused pid is not mistaken for a survivor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from _probes import processes_with_env, wait_until
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+#: Seconds the session's processes may outlive the trainer (Ray alone leaves two for 60 s).
+BOUND_S = 15
+
+
+def _start(mode: str, ray_tmpdir: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, RAY_TMPDIR=ray_tmpdir, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "_trainer.py"), mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> list[str]:
+    """Lines of ``proc``'s output up to the first that starts with ``prefix``."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if not ready:
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break  # the trainer exited
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    proc.kill()
+    pytest.fail(f"no {prefix!r} line within {timeout} s:\n{''.join(lines[-40:])}")
+
+
+def _session(ray_tmpdir: str, trainer: int | None = None) -> dict[int, float]:
+    """pid -> start time of the Ray processes of ``ray_tmpdir``'s session (and the live trainer's)."""
+    procs = {}
+    if trainer is not None:
+        children = psutil.Process(trainer).children(recursive=True)
+        procs = {p.pid: p.create_time() for p in children}
+    for pid in processes_with_env("RAY_TMPDIR", ray_tmpdir):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs[pid] = psutil.Process(pid).create_time()
+    return procs
+
+
+def _alive(procs: dict[int, float]) -> list[str]:
+    """``procs`` still running, as "pid name"."""
+    out = []
+    for pid, started in procs.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} {proc.name()}")
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _ray_shm(names: set[str]) -> set[str]:
+    return {n for n in names if "plasma" in n.lower() or "ray" in n.lower()}
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_trainer_leaves_no_ray_process_and_a_new_run_starts(ray_tmpdir: str) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    trainer = _start("serve", ray_tmpdir)
+    try:
+        _wait_for_line(trainer, "READY", timeout=120)
+        session = _session(ray_tmpdir, trainer.pid)
+        names = _alive(session)
+        # gcs_server, raylet, Ray's agents and workers, the loader's actors
+        assert any("raylet" in n for n in names), names
+        assert any("Agent" in n for n in names), names
+        assert any("DatasetWorker" in n for n in names), names
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=10)
+    finally:
+        trainer.kill()
+    killed = time.monotonic()
+
+    def leftovers() -> list[str]:
+        return _alive(session | _session(ray_tmpdir))
+
+    gone = wait_until(lambda: not leftovers(), timeout=BOUND_S)
+    assert gone, f"still running {time.monotonic() - killed:.0f} s after the SIGKILL: {leftovers()}"
+    assert not _ray_shm(set(os.listdir("/dev/shm")) - shm_before)
+
+    # a new run in the same RAY_TMPDIR starts cleanly, finishes, and leaves nothing behind
+    again = _start("finish", ray_tmpdir)
+    try:
+        out, _ = again.communicate(timeout=150)
+    finally:
+        again.kill()
+    assert again.returncode == 0, out[-4000:]
+    assert "DONE" in out
+    assert wait_until(lambda: not _alive(_session(ray_tmpdir)), timeout=BOUND_S), _alive(
+        _session(ray_tmpdir)
+    )
+    assert not _ray_shm(set(os.listdir("/dev/shm")) - shm_before)
