@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,9 @@ class LoaderOptions:
             pure function of (seed, epoch)), so the epoch boundary does not wait
             for Ray Data's start-up or a shuffle's map phase. Costs the memory of
             two epochs in flight around the boundary; ``False`` turns it off.
+        progress_bar: Show a tqdm progress bar for each epoch (batches).
+        log_stats: Log a one-line summary of each epoch when it ends (the
+            ``raydl`` logger, INFO): batches, samples, samples/s, wait and stall.
         device: Copy batches to this CUDA device on a side stream,
             ``prefetch_factor`` batches ahead of the training step. ``None`` keeps
             batches on the host, as torch does. Without CUDA: a warning, host batches.
@@ -106,6 +110,8 @@ class LoaderOptions:
     ray_address: str | None = None
     worker_options: Mapping[str, Any] = field(default_factory=dict)
     overlap_epochs: bool = True
+    progress_bar: bool = False
+    log_stats: bool = False
     device: str | torch.device | int | None = None
     world: World | None = None
 
@@ -130,8 +136,10 @@ class LoaderOptions:
                 "worker_options option should be a mapping of Ray actor options, "
                 f"got {type(self.worker_options).__name__}"
             )
-        if not isinstance(self.overlap_epochs, bool):
-            raise TypeError(f"overlap_epochs option should be a bool, got {self.overlap_epochs!r}")
+        for name in ("overlap_epochs", "progress_bar", "log_stats"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} option should be a bool, got {value!r}")
         if self.world is not None and not isinstance(self.world, World):
             raise TypeError(
                 f"world option should be a raydl.World or None, got {type(self.world).__name__}"
@@ -185,6 +193,8 @@ class RayDataLoader(Iterable[Any]):
         ray_address: See :class:`LoaderOptions`.
         worker_options: See :class:`LoaderOptions`.
         overlap_epochs: See :class:`LoaderOptions`.
+        progress_bar: See :class:`LoaderOptions`.
+        log_stats: See :class:`LoaderOptions`.
         device: See :class:`LoaderOptions`.
         world: See :class:`LoaderOptions`.
 
@@ -232,6 +242,8 @@ class RayDataLoader(Iterable[Any]):
         ray_address: str | None = None,
         worker_options: Mapping[str, Any] | None = None,
         overlap_epochs: bool = True,
+        progress_bar: bool = False,
+        log_stats: bool = False,
         device: str | torch.device | int | None = None,
         world: World | None = None,
     ) -> None:
@@ -306,6 +318,8 @@ class RayDataLoader(Iterable[Any]):
             ray_address=ray_address,
             worker_options=dict(worker_options or {}),
             overlap_epochs=overlap_epochs,
+            progress_bar=progress_bar,
+            log_stats=log_stats,
             device=device,
             world=world,
         )
@@ -493,13 +507,31 @@ class RayDataLoader(Iterable[Any]):
         ``wait_s`` is the time spent inside ``next()`` waiting for data;
         ``stall_fraction`` is ``wait_s / elapsed_s``: near 0 means the loader
         keeps up, near 1 means training is starved. Also ``batches``, ``samples``,
-        ``samples_per_s`` and ``time_to_first_batch_s`` (per epoch).
+        ``samples_per_s``, ``time_to_first_batch_s`` and, for Ray Data sources,
+        ``ray_data``: Ray Data's per-stage summary of the epoch's execution
+        (per epoch). These are this rank's figures; see :meth:`gather_stats`.
 
         Example:
             >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP
             0.013
         """
         return summarize(self._stats)
+
+    def gather_stats(self) -> list[dict[str, Any]] | None:
+        """Every rank's :meth:`stats` on rank 0, in rank order (``None`` on other ranks).
+
+        A collective call under torchrun: every rank must make it. With one rank
+        it returns ``[self.stats()]``.
+
+        Example:
+            >>> per_rank = loader.gather_stats()  # doctest: +SKIP
+            >>> if per_rank is not None:  # rank 0  # doctest: +SKIP
+            ...     print(max(r["total"]["stall_fraction"] for r in per_rank))
+        """
+        mine = self.stats()
+        if not self._world.is_distributed:
+            return [mine]
+        return Channel.get(self._world).gather(mine)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next ``iter()`` resumes that epoch.
@@ -592,6 +624,13 @@ class RayDataLoader(Iterable[Any]):
         self._stats.append(stats)
         inner = iterator._source if isinstance(iterator, DevicePrefetcher) else iterator
         inner.stats = stats
+        inner.log_summary = self.options.log_stats
+        if self.options.progress_bar:
+            from tqdm.auto import tqdm
+
+            inner.progress = tqdm(
+                total=inner._length, desc=f"epoch {self._epoch_in_progress}", unit="batch"
+            )
         self._iterator = iterator
         return iterator
 
@@ -696,9 +735,14 @@ class RayDataLoader(Iterable[Any]):
         plan = self._plan(epoch)
         start_next = None
         if self.options.overlap_epochs:
+            # A weak reference: the producer thread must not keep an unused loader
+            # (and so its early epoch) alive; the loader's __del__ stops both.
+            loader = weakref.ref(self)
 
             def start_next() -> None:
-                self._start_early(epoch + 1, pin, prefetch)
+                owner = loader()
+                if owner is not None:
+                    owner._start_early(epoch + 1, pin, prefetch)
 
         return self._ray_iterator(
             plan.dataset,

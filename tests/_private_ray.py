@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import ray
 
 from raydl._internal.cluster import ensure_ray
+from raydl._internal.overlap import discard_all as discard_early_epochs
 
 
 @contextlib.contextmanager
@@ -29,6 +30,7 @@ def private_ray(num_cpus: int = 2) -> Iterator[None]:
             yield
         finally:
             gc.collect()  # loaders the tests dropped close their pipelines while Ray is up
+            discard_early_epochs()
             ray.shutdown()
             if saved is None:
                 os.environ.pop("RAY_TMPDIR", None)

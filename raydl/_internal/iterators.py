@@ -31,7 +31,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.cluster import is_connected
 from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
-from raydl._internal.metrics import EpochStats
+from raydl._internal.metrics import EpochStats, logger
 from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
 from raydl._internal.threads import put_until_stopped
 from raydl._internal.workers import EXHAUSTED, describe_indices
@@ -62,6 +62,8 @@ class _BaseIterator(Iterator[Any]):
         self.num_yielded = 0
         self.exhausted = False
         self.stats: EpochStats | None = None  # set by the loader
+        self.progress: Any = None  # a tqdm bar, set by the loader when asked
+        self.log_summary = False  # log the epoch's summary line when it ends
 
     def __iter__(self) -> _BaseIterator:
         return self
@@ -81,6 +83,9 @@ class _BaseIterator(Iterator[Any]):
             self.exhausted = True
             if self.stats is not None:
                 self.stats.finish()
+                self.stats.ray_data = self._execution_summary()
+                if self.log_summary:
+                    logger.info(self.stats.summary_line())
             self.close()
             if self._on_exhausted is not None:
                 self._on_exhausted()
@@ -93,10 +98,16 @@ class _BaseIterator(Iterator[Any]):
         self.num_yielded += 1
         if self.stats is not None:
             self.stats.record(batch, time.perf_counter() - started)
+        if self.progress is not None:
+            self.progress.update(1)
         return batch
 
     def _next_batch(self) -> Any:
         raise NotImplementedError
+
+    def _execution_summary(self) -> str | None:
+        """Ray Data's per-stage summary of the epoch, where there is one."""
+        return None
 
     def close(self) -> None:
         """Release this epoch's Ray work; further ``next()`` calls raise ``StopIteration``."""
@@ -104,6 +115,8 @@ class _BaseIterator(Iterator[Any]):
             self._closed = True
             if self.stats is not None:
                 self.stats.finish()
+            if self.progress is not None:
+                self.progress.close()
             if is_connected():  # after ray.shutdown() (e.g. at exit) there is nothing to release
                 self._release()
 
@@ -380,6 +393,8 @@ class RayDatasetIterator(_BaseIterator):
             local_shuffle_buffer_size=local_shuffle_buffer_size,
             local_shuffle_seed=local_shuffle_seed,
         )
+        self._source = source
+        self._summary: str | None = None
         self._collate = collate_fn if collate_fn is not None else numpy_batch_to_tensors
         self._skip = skip
         self._start_next = start_next
@@ -402,6 +417,8 @@ class RayDatasetIterator(_BaseIterator):
                     continue
                 self._put(self._collate(batch))
             self._next_epoch()
+            with contextlib.suppress(Exception):  # a summary is a nicety, never a failure
+                self._summary = self._source.stats()
             self._put(_DONE)
         except BaseException as err:
             self._put(_Failure(err))
@@ -409,6 +426,9 @@ class RayDatasetIterator(_BaseIterator):
             close = getattr(batches, "close", None)
             if close is not None:
                 close()  # shuts Ray Data's streaming executor down
+
+    def _execution_summary(self) -> str | None:
+        return self._summary
 
     def _next_epoch(self) -> None:
         start, self._start_next = self._start_next, None

@@ -7,12 +7,15 @@ them and sums them in :meth:`raydl.RayDataLoader.stats`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("raydl")
 
 
 def batch_len(batch: Any) -> int:
@@ -39,6 +42,7 @@ class EpochStats:
     wait_s: float = 0.0
     first_batch_s: float | None = None
     ended: float | None = None
+    ray_data: str | None = None  # Ray Data's per-stage summary of the epoch's execution
 
     def record(self, batch: Any, waited: float) -> None:
         """Count one delivered batch that took ``waited`` seconds to arrive."""
@@ -65,7 +69,19 @@ class EpochStats:
             "stall_fraction": self.wait_s / elapsed if elapsed > 0 else 0.0,
             "time_to_first_batch_s": self.first_batch_s,
             "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+            "ray_data": self.ray_data,
         }
+
+    def summary_line(self) -> str:
+        """One line for a log: the epoch's counts, throughput and stall."""
+        d = self.as_dict()
+        first = d["time_to_first_batch_s"]
+        return (
+            f"epoch {d['epoch']}: {d['batches']} batches, {d['samples']} samples in "
+            f"{d['elapsed_s']:.2f} s ({d['samples_per_s']:.0f} samples/s); waited "
+            f"{d['wait_s']:.2f} s for data ({100 * d['stall_fraction']:.1f}% stall), "
+            f"first batch after {first if first is not None else float('nan'):.3f} s"
+        )
 
 
 def summarize(epochs: Sequence[EpochStats]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ _live: weakref.WeakSet[NextEpoch] = weakref.WeakSet()
 _exit_hook_registered = False
 
 
-def _discard_all() -> None:
+def discard_all() -> None:
     """At exit, before Ray's own shutdown hook: stop every early epoch cleanly."""
     for each in list(_live):
         each.discard()
@@ -41,7 +41,7 @@ def _register_exit_hook() -> None:
     # runs before Ray disconnects, so no executor thread dies mid-step at exit.
     global _exit_hook_registered
     if not _exit_hook_registered:
-        atexit.register(_discard_all)
+        atexit.register(discard_all)
         _exit_hook_registered = True
 
 

@@ -92,6 +92,14 @@ class Channel:
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on rank 0 (``None`` on the others)."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world.world_size if self.world.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self._group)
+        return out
+
     def barrier(self, timeout_s: float, what: str) -> None:
         """Wait until every rank got here; fail within ``timeout_s`` naming the missing rank."""
         import torch.distributed as dist

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -246,3 +247,31 @@ def test_set_epoch_discards_an_early_epoch_that_is_not_next() -> None:
     expected = RayDataLoader(_per_epoch(), batch_size=8, shuffle=True, seed=9, overlap_epochs=False)
     expected.set_epoch(4)
     assert _ids(loader) == _ids(expected)
+
+
+def _tally(batch: dict[str, np.ndarray], log: str) -> dict[str, np.ndarray]:
+    with open(log, "a") as f:
+        f.write("x\n")
+    return batch
+
+
+@pytest.mark.timeout(120)
+def test_stats_carry_ray_data_stage_summary_progress_and_log(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = str(tmp_path / "calls")
+    ds = ray.data.range(N, override_num_blocks=4).map_batches(_tally, fn_kwargs={"log": log})
+    loader = RayDataLoader(ds, batch_size=8, progress_bar=True, log_stats=True)
+    with caplog.at_level("INFO", logger="raydl"):
+        assert len(_ids(loader)) == N
+    calls = Path(log).read_text().count("x")
+    epoch = loader.stats()["epochs"][0]
+    assert "MapBatches(_tally)" in epoch["ray_data"]  # Ray Data's per-stage summary
+    assert Path(log).read_text().count("x") == calls  # reading the summary re-ran nothing
+    assert epoch["batches"] == 5 and epoch["samples"] == N
+    assert any(
+        r.getMessage().startswith("epoch 0: 5 batches, 40 samples in ") for r in caplog.records
+    )
+    assert loader.gather_stats() == [loader.stats()]
+    with pytest.raises(TypeError, match="progress_bar option should be a bool, got 'yes'"):
+        RayDataLoader(ds, batch_size=8, progress_bar="yes")  # type: ignore[arg-type]

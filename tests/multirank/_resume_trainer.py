@@ -1,0 +1,130 @@
+"""A training process for the kill-and-resume tests (1 process, or one rank under torchrun).
+
+Every step it takes a batch, all-reduces (the DDP step, under several ranks),
+then writes a checkpoint atomically: the loader's ``state_dict()`` and the ids
+this rank consumed so far in the epoch, as a real job saves model + loader
+state together. With ``--kill-after K`` every rank SIGKILLs itself when its
+K-th batch of the first epoch arrives, before checkpointing it (a preemption:
+that batch was received but not consumed). With ``--resume`` it loads rank
+0's checkpoint (every rank does; under DDP all ranks saved at the same step)
+and finishes that epoch, then runs one more. Writes one JSON line per epoch to
+``<out>.rank<r>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+import raydl
+
+ROWS = 600
+
+
+class Indices(Dataset[int]):
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def make_parquet(root: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(root, exist_ok=True)
+    for i, rows in enumerate([250, 50, 250, 50]):  # unequal files
+        start = sum([250, 50, 250, 50][:i])
+        ids = np.arange(start, start + rows)
+        table = pa.table({"id": ids, "user": ids % 13, "label": (ids % 5 == 0).astype(np.int64)})
+        pq.write_table(table, os.path.join(root, f"part-{i}.parquet"), row_group_size=64)
+
+
+def last_mile(batch: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]:
+    """Drop spam users (user 3), keep positives and a per-epoch half of negatives."""
+    ids = batch["id"]
+    draw = np.random.default_rng(epoch).random(ROWS)[ids] < 0.5
+    keep = (batch["user"] != 3) & ((batch["label"] == 1) | draw)
+    return {"id": ids[keep]}
+
+
+def build(source: str, data: str) -> raydl.RayDataLoader:
+    if source == "map":
+        return raydl.RayDataLoader(
+            Indices(),
+            batch_size=8,
+            shuffle=True,
+            num_workers=2,
+            seed=5,
+            generator=torch.Generator().manual_seed(5),
+        )
+    table = raydl.read_parquet(data)
+    pipeline = raydl.PerEpoch(
+        lambda epoch: table.map_batches(last_mile, fn_kwargs={"epoch": epoch}, batch_format="numpy")
+    )
+    return raydl.RayDataLoader(pipeline, batch_size=16, shuffle=True, seed=5)
+
+
+def save(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)  # atomic: a kill never leaves half a checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--source", choices=["map", "parquet"], required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--kill-after", type=int, default=-1)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    raydl.init()
+    loader = build(args.source, args.data)
+    ids: list[int] = []
+    if args.resume:
+        with open(os.path.join(args.ckpt, "rank0.json")) as f:
+            checkpoint = json.load(f)
+        loader.load_state_dict(checkpoint["state"])
+    start = loader.epoch
+    with open(f"{args.out}.rank{rank}", "w") as out:
+        for epoch in range(start, args.epochs):
+            ids, batches = [], 0
+            for batch in loader:
+                batches += 1
+                if epoch == 0 and batches == args.kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                ids.extend(int(i) for i in (batch["id"] if isinstance(batch, dict) else batch))
+                if distributed:
+                    dist.all_reduce(torch.ones(1))
+                save(
+                    os.path.join(args.ckpt, f"rank{rank}.json"),
+                    {"state": loader.state_dict(), "epoch": epoch, "ids": ids},
+                )
+            out.write(json.dumps({"epoch": epoch, "ids": ids, "batches": batches}) + "\n")
+            out.flush()
+    loader.close()
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
