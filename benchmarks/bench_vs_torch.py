@@ -604,32 +604,6 @@ class TorchLoader(Contender):
             close()
 
 
-class RaydlPerEpoch(Contender):
-    """raydl over a Ray Data pipeline whose map function depends on the epoch.
-
-    The downsampling draw changes each epoch, and a Ray Data plan has no epoch input,
-    so the pipeline (and the loader over it) is built per epoch.
-    """
-
-    def __init__(self, make_dataset: Callable[[int], Any], **loader_kwargs: Any) -> None:
-        self.make_dataset = make_dataset
-        self.loader_kwargs = loader_kwargs
-        self.loader: Any = None
-
-    def epoch(self, epoch: int) -> Iterable[Batch]:
-        from raydl import RayDataLoader
-
-        self.close()
-        self.loader = RayDataLoader(self.make_dataset(epoch), **self.loader_kwargs)
-        self.loader.set_epoch(epoch)
-        return self.loader
-
-    def close(self) -> None:
-        if self.loader is not None:
-            self.loader.close()
-            self.loader = None
-
-
 def tabular_files(cfg: WorkerConfig) -> list[str]:
     return sorted(str(p) for p in (Path(cfg.data_dir) / "tabular").glob("*.parquet"))
 
@@ -680,15 +654,27 @@ def tabular_contender(name: str, cfg: WorkerConfig) -> Contender:
             )
 
         return FnContender(ray_epoch)
+    import raydl
+
+    # raydl's own reader, and the per-epoch draw as a PerEpoch pipeline: one loader for
+    # the whole run, so it can start each epoch while the previous one drains.
+    table = raydl.read_parquet(files)
     mode = "global" if name == "raydl_global" else "blocks"
-    return RaydlPerEpoch(
-        pipeline,
+    loader = raydl.RayDataLoader(
+        raydl.PerEpoch(
+            lambda epoch: table.map_batches(
+                select_block,  # type: ignore[arg-type]  # Ray's stub has no room for fn_kwargs
+                batch_format="pyarrow",
+                fn_kwargs={"epoch": epoch, "spam": spam},
+            )
+        ),
         batch_size=TABULAR_BATCH,
         shuffle=True,
         shuffle_mode=mode,
         local_shuffle_buffer_size=SHUFFLE_BUFFER,
         seed=SEED,
     )
+    return TorchLoader(loader, before_epoch=loader.set_epoch)
 
 
 def tabular_expected(cfg: WorkerConfig, epoch: int) -> np.ndarray:
