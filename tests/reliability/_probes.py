@@ -9,9 +9,11 @@ they run (``ray::MapBatches(f)``) and ``ray::IDLE`` when idle.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -44,16 +46,28 @@ def session_processes() -> list[psutil.Process]:
 
 
 def busy_workers() -> list[str]:
-    """Titles of this session's Ray workers that are running a task or hold an actor."""
+    """Titles of this session's Ray workers that are running something right now.
+
+    A worker titles itself ``ray::IDLE`` when idle, ``ray::Class`` when it holds an
+    idle actor, ``ray::Class.method`` while the actor runs a method and, for Ray
+    Data tasks, after the operators it runs: ``ray::ReadRange->MapBatches(f)``.
+    A task that is a bare read (``ray::ReadRange``) is seen through the CPUs it holds
+    (:func:`free_cpus`), not here.
+    """
     titles = []
     for proc in session_processes():
         try:
             name = proc.name()
         except psutil.NoSuchProcess:
             continue
-        if name.startswith("ray::") and name not in {"ray::IDLE"} and "Agent" not in name:
+        if not name.startswith("ray::") or "Agent" in name:
+            continue
+        title = name.removeprefix("ray::")
+        if title.split(".")[0].split("(")[0] in RAY_SERVICE_ACTORS:
+            continue
+        if "." in title or "(" in title or "->" in title:
             titles.append(name)
-    return [t for t in titles if t.removeprefix("ray::").split(".")[0] not in RAY_SERVICE_ACTORS]
+    return titles
 
 
 def live_actors() -> list[str]:
@@ -108,3 +122,41 @@ def processes_with_env(name: str, value: str) -> list[int]:
             except psutil.NoSuchProcess:
                 continue
     return found
+
+
+def object_store_bytes() -> tuple[int, int] | None:
+    """``(pinned, spilled)`` bytes of primary copies, from the raylet's debug state.
+
+    The raylet rewrites ``debug_state.txt`` every ``debug_dump_period_milliseconds``
+    (10 s by default; the tests that read it start Ray with 200 ms). ``None``
+    while the file is not written yet.
+    """
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    try:
+        text = (session / "logs" / "debug_state.txt").read_text()
+    except OSError:
+        return None
+    pinned = re.search(r"pinned objects size: (\d+)", text)
+    spilled = re.search(r"num bytes currently spilled: (\d+)", text)
+    if pinned is None or spilled is None:
+        return None
+    return int(pinned.group(1)), int(spilled.group(1))
+
+
+def close_leaked_iterators() -> list[str]:
+    """Close the epoch iterators whose producer threads are still running; their names.
+
+    Clean-up after a test that exposed a leak, so the leaked pipelines do not hold
+    the module's cluster for the tests after it. A producer thread's target is its
+    iterator's bound method: that is how the iterator is found.
+    """
+    names = []
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)
+        owner = getattr(target, "__self__", None)
+        if thread.name.startswith("raydl-epoch") and hasattr(owner, "close"):
+            names.append(thread.name)
+            owner.close()
+    return names

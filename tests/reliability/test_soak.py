@@ -1,0 +1,219 @@
+"""Items 9 and 10: many epochs and many early exits leave nothing behind.
+
+A soak of 20 epochs must not grow the trainer's or Ray's memory, the trainer's
+threads and open files, or the live actors; 50 early ``break``s must not leak
+actors, threads, running work or object-store memory. Small data: what is
+measured is what is left over, not throughput.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+import pytest
+import ray
+from _faulty import SizedData
+from _private_ray import private_ray
+from _probes import (
+    busy_workers,
+    close_leaked_iterators,
+    free_cpus,
+    live_actors,
+    object_store_bytes,
+    open_fds,
+    raydl_threads,
+    session_processes,
+    wait_until,
+)
+
+from raydl import RayDataLoader
+
+pytestmark = pytest.mark.slow
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray() -> Iterator[None]:
+    """The module's 2-CPU Ray, whose raylet reports its object store every 200 ms."""
+    os.environ["RAY_debug_dump_period_milliseconds"] = "200"  # noqa: SIM112 (Ray's spelling)
+    try:
+        with private_ray(num_cpus=2):
+            os.environ.pop("RAY_debug_dump_period_milliseconds")
+            yield
+    finally:
+        os.environ.pop("RAY_debug_dump_period_milliseconds", None)
+
+
+def double(batch: dict) -> dict:  # type: ignore[type-arg]
+    batch["x"] = batch["id"] * 2
+    return batch
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one process-level look at the trainer and its Ray session sees."""
+
+    trainer_rss: int
+    ray_rss: int  # all of the session's Ray processes together
+    threads: int  # OS threads of the trainer (Ray's C++ threads included)
+    fds: int
+    actors: int
+
+
+def snapshot() -> Snapshot:
+    ray_rss = 0
+    for proc in session_processes():
+        try:
+            ray_rss += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    me = psutil.Process()
+    return Snapshot(
+        trainer_rss=me.memory_info().rss,
+        ray_rss=ray_rss,
+        threads=me.num_threads(),
+        fds=open_fds(),
+        actors=len(live_actors()),
+    )
+
+
+def _median(snaps: list[Snapshot], field: str) -> float:
+    return statistics.median(getattr(s, field) for s in snaps)
+
+
+# ------------------------------------------------------------------ item 9: soak
+
+
+@pytest.mark.timeout(240)
+def test_twenty_epochs_grow_no_memory_threads_files_or_actors() -> None:
+    """Epochs 18-20 against epochs 2-4, both as the median of three epochs.
+
+    Tolerance: 5 % on every measure. The median of three epochs filters one-off
+    noise (a Ray worker that happens to be starting or exiting, an allocator
+    that has not yet returned memory); a leak of something per epoch grows
+    steadily and shows after 16 more epochs.
+    """
+    tabular = RayDataLoader(
+        ray.data.range(2000, override_num_blocks=8).map_batches(double, batch_size=250),
+        batch_size=64,
+        shuffle=True,
+        seed=0,
+    )
+    samples = RayDataLoader(SizedData(512), batch_size=32, shuffle=True, num_workers=2)
+    snaps = []
+    for _ in range(20):
+        rows = sorted(int(i) for batch in tabular for i in batch["id"].tolist())
+        assert rows == list(range(2000))
+        indices = sorted(int(i) for batch in samples for i in batch.flatten().tolist())
+        assert indices == list(range(512))
+        gc.collect()
+        snaps.append(snapshot())
+    tabular.close()
+    samples.close()
+    early, late = snaps[1:4], snaps[17:20]
+    for field in ("trainer_rss", "ray_rss", "threads", "fds", "actors"):
+        before, after = _median(early, field), _median(late, field)
+        assert after <= before * 1.05, (field, before, after, [getattr(s, field) for s in snaps])
+
+
+# ------------------------------------------------------------------ item 10: early exits
+
+
+def _store_pinned() -> int:
+    stats = object_store_bytes()
+    return stats[0] if stats is not None else 0
+
+
+def _settled(pinned_limit: int) -> bool:
+    return not busy_workers() and free_cpus() == 2.0 and _store_pinned() <= pinned_limit
+
+
+@pytest.fixture
+def leak_cleanup() -> Iterator[None]:
+    """Stops what a leaking test left running, so the next tests get the whole cluster."""
+    yield
+    close_leaked_iterators()
+    gc.collect()
+
+
+def _break_early(loader: RayDataLoader, times: int) -> None:
+    for _ in range(times):
+        for step, _batch in enumerate(loader):
+            if step == 2:
+                break
+
+
+@pytest.mark.timeout(120)
+def test_fifty_early_breaks_of_a_map_style_loader_leak_nothing() -> None:
+    loader = RayDataLoader(SizedData(4096), batch_size=8, num_workers=2)
+    _break_early(loader, 10)  # warm-up, and the steady state of the actors
+    gc.collect()
+    assert wait_until(lambda: _settled(1 * MIB)), (busy_workers(), free_cpus(), _store_pinned())
+    threads_before = psutil.Process().num_threads()
+    actors_before = live_actors()
+    _break_early(loader, 50)
+    gc.collect()
+    settled = wait_until(lambda: _settled(1 * MIB))
+    assert settled, (busy_workers(), free_cpus(), _store_pinned() / MIB)
+    assert psutil.Process().num_threads() <= threads_before * 1.05
+    # The abandoned epoch keeps its pool until the next iter() replaces it in the
+    # loader, then the pool is parked for reuse: at most two pools, never more.
+    assert live_actors() == actors_before
+    assert set(actors_before) == {"DatasetWorker"} and len(actors_before) <= 4, actors_before
+    loader.close()
+    assert wait_until(lambda: not live_actors()), live_actors()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    strict=True,
+    reason="raydl bug: a Ray Data epoch left by break is never closed (its producer thread "
+    "holds the iterator): producer, executor and threads leak per break; ~45 breaks hang",
+)
+def test_fifty_early_breaks_of_a_ray_data_loader_leak_nothing(leak_cleanup: None) -> None:
+    loader = RayDataLoader(
+        ray.data.range(20_000, override_num_blocks=20).map_batches(double, batch_size=500),
+        batch_size=16,
+    )
+    _break_early(loader, 1)  # warm-up: Ray Data's service actors and threads live for good
+    gc.collect()
+    assert wait_until(lambda: _settled(1 * MIB)), (busy_workers(), free_cpus(), _store_pinned())
+    threads_before = psutil.Process().num_threads()
+    raydl_before = raydl_threads()
+    for _ in range(5):  # checked every 10 breaks: a leak fails fast instead of piling up
+        _break_early(loader, 10)
+        gc.collect()
+        assert wait_until(lambda: raydl_threads() == raydl_before, timeout=5), raydl_threads()
+    settled = wait_until(lambda: _settled(1 * MIB))
+    assert settled, (busy_workers(), free_cpus(), _store_pinned() / MIB)
+    assert psutil.Process().num_threads() <= threads_before * 1.05
+    assert live_actors() == []
+    loader.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    strict=True,
+    reason="raydl bug: a Ray Data loader dropped without close() after a full epoch keeps "
+    "its early-started next epoch (overlap_epochs) running: producer thread, Ray Data "
+    "executor and threads leak, one set per loader",
+)
+def test_loaders_dropped_without_close_release_their_pipelines(leak_cleanup: None) -> None:
+    """``for batch in RayDataLoader(...)`` in a function called again and again."""
+    before = raydl_threads()
+
+    def evaluate() -> int:
+        loader = RayDataLoader(ray.data.range(200).map_batches(double), batch_size=10)
+        return sum(len(batch["id"]) for batch in loader)
+
+    for _ in range(3):
+        assert evaluate() == 200
+    gc.collect()
+    assert wait_until(lambda: raydl_threads() == before, timeout=5), raydl_threads()
+    assert wait_until(lambda: not busy_workers()), busy_workers()
