@@ -14,6 +14,7 @@ import raydl
 
 def main() -> None:
     raydl.init(num_cpus=2)
+    print("STARTED", flush=True)
     ds = ray.data.range(200, override_num_blocks=10).map_batches(crash_on_poison, batch_size=10)
     loader = raydl.RayDataLoader(ds, batch_size=8)
     try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import select
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -17,9 +19,9 @@ from pathlib import Path
 
 import psutil
 
-#: Ray's own helper actors (Ray Data's stats and autoscaling coordinators), alive for the session.
+#: Ray Data's own helper actors, started once and alive for the rest of the session.
 RAY_SERVICE_ACTORS = frozenset(
-    {"_StatsActor", "_AutoscalingCoordinatorActor", "AutoscalingRequester"}
+    {"_StatsActor", "_AutoscalingCoordinatorActor", "AutoscalingRequester", "ActorLocationTracker"}
 )
 
 
@@ -160,3 +162,24 @@ def close_leaked_iterators() -> list[str]:
             names.append(thread.name)
             owner.close()
     return names
+
+
+def read_until(proc: subprocess.Popen[str], prefix: str, timeout: float) -> tuple[list[str], bool]:
+    """``proc``'s output lines up to the first starting with ``prefix``; whether it came.
+
+    Gives up after ``timeout`` seconds or when ``proc`` closes its output.
+    """
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if not ready:
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines, True
+    return lines, False

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _probes import processes_with_env, wait_until
+from _probes import processes_with_env, read_until, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,23 +41,11 @@ def _start(mode: str, ray_tmpdir: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> list[str]:
-    """Lines of ``proc``'s output up to the first that starts with ``prefix``."""
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if not ready:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break  # the trainer exited
-        lines.append(line)
-        if line.startswith(prefix):
-            return lines
-    proc.kill()
-    pytest.fail(f"no {prefix!r} line within {timeout} s:\n{''.join(lines[-40:])}")
+def _wait_for_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> None:
+    lines, found = read_until(proc, prefix, timeout)
+    if not found:
+        proc.kill()
+        pytest.fail(f"no {prefix!r} line within {timeout} s:\n{''.join(lines[-40:])}")
 
 
 def _session(ray_tmpdir: str, trainer: int | None = None) -> dict[int, float]:
