@@ -31,6 +31,7 @@ from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from raydl._internal import cluster
 from raydl._internal.device import DevicePrefetcher, resolve_device
+from raydl._internal.elastic import batch_counts
 from raydl._internal.iterators import (
     IterableIterator,
     MapStyleIterator,
@@ -40,7 +41,13 @@ from raydl._internal.metrics import EpochStats, summarize
 from raydl._internal.overlap import NextEpoch
 from raydl._internal.plan import SHUFFLE_MODES, EpochPlan, plan_epoch
 from raydl._internal.pool import WorkerPool
-from raydl._internal.resume import can_rebuild, map_style_share, ray_shares, sampler_spec
+from raydl._internal.resume import (
+    ShareHolder,
+    can_rebuild,
+    map_style_share,
+    ray_shares,
+    sampler_spec,
+)
 from raydl._internal.shuffle import seed_from_torch
 from raydl._internal.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.workers import WorkerSpec
@@ -677,7 +684,7 @@ class RayDataLoader(Iterable[Any]):
             plan = self._plan(epoch)
             if elastic:
                 assert resume is not None
-                shares = ray_shares(
+                shares: Any = ray_shares(
                     plan.dataset,
                     resume,
                     world.world_size,
@@ -686,6 +693,11 @@ class RayDataLoader(Iterable[Any]):
                     buffer=plan.local_shuffle_buffer_size,
                     buffer_seed=plan.local_shuffle_seed,
                 )
+                if world.is_distributed:
+                    import ray
+
+                    holder = ray.remote(num_cpus=0)(ShareHolder)
+                    shares = holder.remote(shares)
                 message = (epoch, shares, None, None, False)
             else:
                 splits = plan.dataset.streaming_split(world.world_size, equal=True)
@@ -704,7 +716,7 @@ class RayDataLoader(Iterable[Any]):
         self._next_epoch = epoch + 1
         self._epoch_in_progress = epoch
         self._retire_splits()
-        self._splits = parts if world.rank == 0 and are_splits else None
+        self._splits = parts if world.rank == 0 else None
         hooks: dict[str, Any] = {}
         length = None
         source: Any
@@ -714,7 +726,7 @@ class RayDataLoader(Iterable[Any]):
                 buffer_seed = (buffer_seed + world.rank) % (2**31 - 1)
         else:
             assert resume is not None
-            source, length = parts[world.rank]
+            source, length = self._elastic_share(parts, world)
             self._epoch_prior = resume.segments
             skip = 0
         if world.is_distributed:
@@ -727,6 +739,18 @@ class RayDataLoader(Iterable[Any]):
         return self._ray_iterator(
             source, buffer, buffer_seed, epoch, pin, prefetch, skip, length=length, **hooks
         )
+
+    def _elastic_share(self, shares: Any, world: World) -> tuple[Any, int]:
+        """This rank's dataset of the rest of an elastic epoch, and its batch count."""
+        import ray
+        import ray.data
+
+        if world.is_distributed:
+            table = ray.get(shares.share.remote(world.rank))
+        else:
+            table = shares[world.rank]
+        count = batch_counts(table.num_rows, self.batch_size, self.drop_last)
+        return ray.data.from_arrow(table), count
 
     def _single_rank_iterator(
         self, epoch: int, pin: bool, prefetch: int, skip: int
@@ -937,7 +961,11 @@ class RayDataLoader(Iterable[Any]):
         """
         splits, self._splits = self._splits, None
         if splits and cluster.is_connected():
-            coordinator = getattr(splits[0], "_coord_actor", None)
+            # streaming_split's coordinator, or an elastic epoch's share holder
+            if isinstance(splits, list):
+                coordinator = getattr(splits[0], "_coord_actor", None)
+            else:
+                coordinator = splits
             if coordinator is not None:
                 import ray
 

@@ -116,10 +116,9 @@ def ray_shares(
     drop_last: bool,
     buffer: int | None,
     buffer_seed: int | None,
-) -> list[tuple[ray.data.Dataset, int]]:
-    """Per new rank: a dataset of its rows of the rest of the epoch, and its batch count."""
+) -> list[pa.Table]:
+    """Per new rank: its rows of the rest of the epoch, as a table."""
     import pyarrow as pa
-    import ray.data
 
     segments = state.segments
     old_world, consumed = segments[0]
@@ -128,19 +127,31 @@ def ray_shares(
     else:
         streams = plan_dataset.streaming_split(old_world, equal=True)
     tables = _rest_of_streams(streams, consumed, batch_size, drop_last, buffer, buffer_seed)
-    rest = pa.concat_tables(tables) if tables else None
-    if rest is None:
-        empty: ray.data.Dataset = ray.data.from_items([])
-        return [(empty, 0) for _ in range(world)]
+    if not tables:
+        return [pa.table({}) for _ in range(world)]
+    rest = pa.concat_tables(tables)
     rows = elastic.advance(range(rest.num_rows), segments[1:], batch_size, drop_last)
     rest = rest.take(pa.array(rows, type=pa.int64()))
-    shares: list[tuple[ray.data.Dataset, int]] = []
-    for start, stop in elastic.shares(rest.num_rows, world, batch_size, drop_last):
-        picked = elastic.take(range(rest.num_rows), start, stop)
-        table = rest.take(pa.array(picked, type=pa.int64()))
-        count = elastic.batch_counts(table.num_rows, batch_size, drop_last)
-        shares.append((ray.data.from_arrow(table), count))
-    return shares
+    return [
+        rest.take(pa.array(elastic.take(range(rest.num_rows), start, stop), type=pa.int64()))
+        for start, stop in elastic.shares(rest.num_rows, world, batch_size, drop_last)
+    ]
+
+
+class ShareHolder:
+    """A Ray actor (``num_cpus=0``) holding each new rank's share until it fetched it.
+
+    The shares go from rank 0 to the other ranks through Ray, not through the
+    process group: Ray object references cannot travel through plain pickling
+    (their owner would be unknown), actor handles can.
+    """
+
+    def __init__(self, shares: list[pa.Table]) -> None:
+        self._shares = shares
+
+    def share(self, rank: int) -> pa.Table:
+        """Rank ``rank``'s rows."""
+        return self._shares[rank]
 
 
 def _rest_of_streams(
