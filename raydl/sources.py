@@ -238,10 +238,6 @@ def read_parquet(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
     cluster.ensure_ray()
-    # Read footers without the disk cache: a footer check must not download whole files.
-    footer_fs = fs
-    if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, RemoteHandler):
-        footer_fs = to_pyarrow(fs.handler.without_cache())
     user_skips = ray_options.pop("skip_paths", None) or []
     user_skips = [user_skips] if isinstance(user_skips, (str, os.PathLike)) else list(user_skips)
     files = list_files(
@@ -252,14 +248,14 @@ def read_parquet(
         partition_filter=ray_options.get("partition_filter"),
         exclude=frozenset(os.fspath(p) for p in user_skips),
     )
-
-    def read(skip_paths: list[Any]) -> ray.data.Dataset:
-        options, targets = dict(ray_options), list(stripped)
-        if skip_paths and ray.data.DataContext.get_current().use_datasource_v2:
-            options["skip_paths"] = skip_paths
-        elif skip_paths:  # Ray's older parquet reader has no skip_paths: name the files
-            left_out = {os.fspath(p) for p in skip_paths}
-            targets = [path for path, _ in files if path not in left_out]
+    skip_paths = user_skips + _bad_parquet_files(policy, fs, files)
+    options, targets = dict(ray_options), list(stripped)
+    if skip_paths and ray.data.DataContext.get_current().use_datasource_v2:
+        options["skip_paths"] = skip_paths
+    elif skip_paths:  # Ray's older parquet reader has no skip_paths: name the files to read
+        left_out = {os.fspath(p) for p in skip_paths}
+        targets = [path for path, _ in files if path not in left_out]
+    try:
         return ray.data.read_parquet(
             targets,
             filesystem=fs,
@@ -267,32 +263,11 @@ def read_parquet(
             include_paths=include_paths,
             **options,
         )
-
-    if policy == "skip":
-        skips.ledger()  # owned by this driver, so it lives as long as the job
-        bad = skips.find_bad_parquet_files(footer_fs, files)
-        for path, reason in bad:
-            skips.record_skip(path, reason)
-        if bad and len(bad) == len(files):
-            raise ValueError(
-                f"on_bad_file='skip' left no parquet file to read: all {len(files)} are bad, "
-                f"e.g. {bad[0][0]!r}: {bad[0][1]}"
-            )
-        return read(user_skips + [path for path, _ in bad])
-
-    empty = [path for path, size in files if size == 0]
-    if empty:
-        raise ValueError(
-            f"parquet file {empty[0]!r} is empty (0 bytes){_and_more(empty)}; delete it, or pass "
-            "on_bad_file='skip' to read the other files without it"
-        )
-    try:
-        return read(user_skips)
     except (FileNotFoundError, PermissionError, RemoteReadError):
         raise
     except (ValueError, OSError) as err:
-        # Ray reads a sample of footers here and its error may not name the file: find it.
-        bad = skips.find_bad_parquet_files(footer_fs, files, first_only=True)
+        # Ray reads a sample of footers here, and its error may not name the file: find it.
+        bad = skips.find_bad_parquet_files(_footer_filesystem(fs), files, first_only=True)
         if not bad:
             raise
         path, reason = bad[0]
@@ -300,6 +275,43 @@ def read_parquet(
             f"parquet file {path!r} cannot be read: {reason}. Replace or delete it, or pass "
             "on_bad_file='skip' to read the other files without it"
         ) from err
+
+
+def _bad_parquet_files(
+    policy: str, fs: pafs.FileSystem, files: list[tuple[str, int | None]]
+) -> list[str]:
+    """The files to leave out under ``policy``; with ``"raise"``, an error for an empty file.
+
+    With ``"skip"`` every footer is read (in parallel threads); the bad files are
+    warned about and recorded in the skip ledger.
+    """
+    from raydl._internal import skips
+
+    if policy == "raise":
+        empty = [path for path, size in files if size == 0]
+        if empty:
+            raise ValueError(
+                f"parquet file {empty[0]!r} is empty (0 bytes){_and_more(empty)}; delete it, "
+                "or pass on_bad_file='skip' to read the other files without it"
+            )
+        return []
+    skips.ledger()  # owned by this driver, so it lives as long as the job
+    bad = skips.find_bad_parquet_files(_footer_filesystem(fs), files)
+    for path, reason in bad:
+        skips.record_skip(path, reason)
+    if bad and len(bad) == len(files):
+        raise ValueError(
+            f"on_bad_file='skip' left no parquet file to read: all {len(files)} are bad, "
+            f"e.g. {bad[0][0]!r}: {bad[0][1]}"
+        )
+    return [path for path, _ in bad]
+
+
+def _footer_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
+    """``fs`` without its disk cache: checking a footer must not download the whole file."""
+    if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, RemoteHandler):
+        return to_pyarrow(fs.handler.without_cache())
+    return fs
 
 
 def read_images(

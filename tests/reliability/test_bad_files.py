@@ -138,6 +138,24 @@ def test_bad_parquet_skip_drops_exactly_those_files(tmp_path: Path, remote: bool
     assert "magic bytes" in skipped[str(parts[1])]
 
 
+@pytest.mark.timeout(120)
+def test_bad_parquet_skip_with_rays_older_parquet_reader(tmp_path: Path) -> None:
+    # Ray's V1 parquet reader has no skip_paths: raydl hands it the good files instead.
+    import ray.data
+
+    parts = _write_parts(tmp_path / "table", 4)
+    _spoil(parts[2], "truncated")
+    ctx = ray.data.DataContext.get_current()
+    saved, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
+    try:
+        ds = sources.read_parquet(str(tmp_path / "table"), on_bad_file="skip")
+        ids = sorted(int(i) for batch in raydl.RayDataLoader(ds, batch_size=8) for i in batch["id"])
+    finally:
+        ctx.use_datasource_v2 = saved
+    assert ids == sorted(_ids_of(0) | _ids_of(1) | _ids_of(3))
+    assert set(_skipped_under(tmp_path)) == {str(parts[2])}
+
+
 @pytest.mark.timeout(60)
 def test_parquet_skip_with_nothing_left_is_an_error(tmp_path: Path) -> None:
     parts = _write_parts(tmp_path / "table", 2)
