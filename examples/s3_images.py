@@ -170,6 +170,9 @@ def main() -> None:
             loader = raydl_loader(storage_options, args.bucket, args.cache)
         print(f"{type(loader).__name__}: {10 * args.per_label} images per epoch")
         train(loader, args.epochs)
+        if args.cache:
+            stats = raydl.CacheConfig(args.cache).stats()
+            print(f"cache: {stats.hits} hits, {stats.misses} misses, {stats.bytes} bytes on disk")
     finally:
         if server is not None:
             server.close()
