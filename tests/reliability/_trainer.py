@@ -2,7 +2,8 @@
 
 ``serve``: iterates a map-style loader (Ray actors) and a Ray Data loader (Ray
 Data tasks) side by side, prints ``READY <pid>`` after a few steps and goes on
-until it is killed. ``finish``: one epoch of each, then ``DONE`` and a normal exit.
+until it is killed. ``finish``: one small epoch of each, then ``DONE`` and a
+normal exit.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ def main(mode: str) -> None:
 
         reaper.start = lambda *args: None
     raydl.init(num_cpus=2)
-    ds = ray.data.range(2000, override_num_blocks=20).map_batches(lambda b: b, batch_size=50)
+    rows = 2000 if mode == "serve" else 100
+    ds = ray.data.range(rows, override_num_blocks=10).map_batches(lambda b: b, batch_size=50)
     tabular = raydl.RayDataLoader(ds, batch_size=10)
-    samples = raydl.RayDataLoader(PidData(200), batch_size=10, num_workers=2)
+    samples = raydl.RayDataLoader(PidData(rows // 10), batch_size=10, num_workers=2)
     steps = 0
     while True:
         for _ in zip(tabular, samples, strict=False):

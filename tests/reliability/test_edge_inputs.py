@@ -155,10 +155,20 @@ DRIFTED = pa.table(
 )
 
 
+@pytest.fixture(scope="module")
+def drifted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One epoch over two files, the second with ``x`` as float64 (not float32) and ``y`` more.
+
+    Read once for the two tests below (a parquet read costs seconds here).
+    """
+    return _batches(_parquet(tmp_path_factory.mktemp("drift"), BASE, DRIFTED))
+
+
 @pytest.mark.timeout(60)
-def test_schema_drift_wider_dtype_and_extra_column_are_unified(tmp_path: Path) -> None:
-    """The second file has ``x`` as float64 instead of float32, and a column ``y`` more."""
-    batches = _batches(_parquet(tmp_path, BASE, DRIFTED))
+def test_schema_drift_wider_dtype_and_extra_column_are_unified(
+    drifted: list[dict[str, Any]],
+) -> None:
+    batches = drifted
     assert all(set(b) == {"id", "x", "y"} for b in batches)
     assert {b["x"].dtype for b in batches} == {torch.float64}
     rows = {
@@ -178,8 +188,10 @@ def test_schema_drift_wider_dtype_and_extra_column_are_unified(tmp_path: Path) -
     reason="raydl bug: a column missing from some parquet files comes back float64 (NaN) in "
     "batches from those files and int64 in the others: a batch's dtypes depend on its file",
 )
-def test_schema_drift_missing_column_has_one_dtype_in_every_batch(tmp_path: Path) -> None:
-    batches = _batches(_parquet(tmp_path, BASE, DRIFTED))
+def test_schema_drift_missing_column_has_one_dtype_in_every_batch(
+    drifted: list[dict[str, Any]],
+) -> None:
+    batches = drifted
     assert len({b["y"].dtype for b in batches}) == 1, [b["y"].dtype for b in batches]
 
 

@@ -1,6 +1,6 @@
 """Item 8: a dataset 5x larger than the object store, a slow consumer, bounded memory.
 
-The module's Ray caps the object store at 200 MiB and writes the raylet's debug
+The module's Ray caps the object store at 100 MiB and writes the raylet's debug
 state (pinned primary copies, spilled bytes) every 200 ms; a sampler thread reads
 it, the spill directory and the trainer's private memory while the epoch runs.
 """
@@ -26,13 +26,13 @@ from raydl import RayDataLoader
 pytestmark = pytest.mark.slow
 
 MIB = 2**20
-CAP = 200 * MIB
-DATASET_MIB = 1000  # 5x the object store
+CAP = 100 * MIB
+DATASET_MIB = 500  # 5x the object store
 
 
 @pytest.fixture(scope="module", autouse=True)
 def capped_ray() -> Iterator[None]:
-    """A private 2-CPU Ray whose object store holds 200 MiB."""
+    """A private 2-CPU Ray whose object store holds 100 MiB."""
     saved = os.environ.get("RAY_TMPDIR")
     tmp = tempfile.mkdtemp(prefix="rdl")
     os.environ["RAY_TMPDIR"] = tmp
@@ -122,7 +122,7 @@ def _check(sampler: MemorySampler) -> None:
 @pytest.mark.timeout(180)
 def test_ray_data_epoch_five_times_the_object_store_stays_bounded() -> None:
     rows = DATASET_MIB  # 1 MiB per row
-    ds = ray.data.range_tensor(rows, shape=(128, 1024), override_num_blocks=100)
+    ds = ray.data.range_tensor(rows, shape=(128, 1024), override_num_blocks=50)
     loader = RayDataLoader(ds, batch_size=10)
     seen = 0
     with MemorySampler() as sampler:

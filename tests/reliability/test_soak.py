@@ -100,18 +100,18 @@ def test_twenty_epochs_grow_no_memory_threads_files_or_actors() -> None:
     steadily and shows after 16 more epochs.
     """
     tabular = RayDataLoader(
-        ray.data.range(2000, override_num_blocks=8).map_batches(double, batch_size=250),
+        ray.data.range(1000, override_num_blocks=4).map_batches(double, batch_size=250),
         batch_size=64,
         shuffle=True,
         seed=0,
     )
-    samples = RayDataLoader(SizedData(512), batch_size=32, shuffle=True, num_workers=2)
+    samples = RayDataLoader(SizedData(256), batch_size=32, shuffle=True, num_workers=2)
     snaps = []
     for _ in range(20):
         rows = sorted(int(i) for batch in tabular for i in batch["id"].tolist())
-        assert rows == list(range(2000))
+        assert rows == list(range(1000))
         indices = sorted(int(i) for batch in samples for i in batch.flatten().tolist())
-        assert indices == list(range(512))
+        assert indices == list(range(256))
         gc.collect()
         snaps.append(snapshot())
     tabular.close()
@@ -186,8 +186,8 @@ def test_fifty_early_breaks_of_a_ray_data_loader_leak_nothing(leak_cleanup: None
     assert wait_until(lambda: _settled(1 * MIB)), (busy_workers(), free_cpus(), _store_pinned())
     threads_before = psutil.Process().num_threads()
     raydl_before = raydl_threads()
-    for _ in range(5):  # checked every 10 breaks: a leak fails fast instead of piling up
-        _break_early(loader, 10)
+    for _ in range(10):  # checked every 5 breaks: a leak fails fast instead of piling up
+        _break_early(loader, 5)
         gc.collect()
         assert wait_until(lambda: raydl_threads() == raydl_before, timeout=5), raydl_threads()
     settled = wait_until(lambda: _settled(1 * MIB))
@@ -212,7 +212,7 @@ def test_loaders_dropped_without_close_release_their_pipelines(leak_cleanup: Non
         loader = RayDataLoader(ray.data.range(200).map_batches(double), batch_size=10)
         return sum(len(batch["id"]) for batch in loader)
 
-    for _ in range(3):
+    for _ in range(2):
         assert evaluate() == 200
     gc.collect()
     assert wait_until(lambda: raydl_threads() == before, timeout=5), raydl_threads()

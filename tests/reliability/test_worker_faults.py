@@ -130,7 +130,7 @@ def test_poison_input_in_a_map_batches_stage_fails_in_bounded_time(ray_tmpdir: s
     bound counts from the moment its Ray is up: map-style loaders take about 10 s
     to give up on such an input (three attempts on fresh workers).
     """
-    bound_s = 30
+    bound_s = 20
     env = dict(os.environ, RAY_TMPDIR=ray_tmpdir)
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
