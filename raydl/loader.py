@@ -48,7 +48,7 @@ from raydl._internal.resume import (
     ray_shares,
     sampler_spec,
 )
-from raydl._internal.shuffle import seed_from_torch
+from raydl._internal.shuffle import rank_seed, seed_from_torch
 from raydl._internal.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.workers import WorkerSpec
 from raydl._internal.world import Channel, World
@@ -679,35 +679,7 @@ class RayDataLoader(Iterable[Any]):
         # Rank 0 plans (and splits) the epoch; every rank takes its part. Under
         # several ranks the broadcast is also where rank 0 learns that every rank
         # finished the previous epoch, so it can let go of the previous splits.
-        message: tuple[Any, ...] | None = None
-        if world.rank == 0:
-            plan = self._plan(epoch)
-            if elastic:
-                assert resume is not None
-                shares: Any = ray_shares(
-                    plan.dataset,
-                    resume,
-                    world.world_size,
-                    batch_size=self.batch_size or 1,
-                    drop_last=self.drop_last,
-                    buffer=plan.local_shuffle_buffer_size,
-                    buffer_seed=plan.local_shuffle_seed,
-                )
-                if world.is_distributed:
-                    import ray
-
-                    holder = ray.remote(num_cpus=0)(ShareHolder)
-                    shares = holder.remote(shares)
-                message = (epoch, shares, None, None, False)
-            else:
-                splits = plan.dataset.streaming_split(world.world_size, equal=True)
-                message = (
-                    epoch,
-                    splits,
-                    plan.local_shuffle_buffer_size,
-                    plan.local_shuffle_seed,
-                    True,
-                )
+        message = self._rank0_parts(epoch, resume if elastic else None) if world.rank == 0 else None
         if world.is_distributed:
             channel = Channel.get(world)
             message = channel.broadcast(message)
@@ -722,8 +694,7 @@ class RayDataLoader(Iterable[Any]):
         source: Any
         if are_splits:
             source = parts[world.rank]
-            if buffer_seed is not None:
-                buffer_seed = (buffer_seed + world.rank) % (2**31 - 1)
+            buffer_seed = rank_seed(buffer_seed, world.rank)
         else:
             assert resume is not None
             source, length = self._elastic_share(parts, world)
@@ -739,6 +710,33 @@ class RayDataLoader(Iterable[Any]):
         return self._ray_iterator(
             source, buffer, buffer_seed, epoch, pin, prefetch, skip, length=length, **hooks
         )
+
+    def _rank0_parts(self, epoch: int, elastic: LoaderState | None) -> tuple[Any, ...]:
+        """Rank 0's plan of the epoch for every rank: ``(epoch, parts, buffer, seed, are_splits)``.
+
+        ``parts``: ``streaming_split`` iterators, one per rank; or, resuming
+        ``elastic``, the shares of the rest of the epoch (behind a holder actor
+        when other ranks must fetch theirs).
+        """
+        world = self._world
+        plan = self._plan(epoch)
+        if elastic is None:
+            splits = plan.dataset.streaming_split(world.world_size, equal=True)
+            return epoch, splits, plan.local_shuffle_buffer_size, plan.local_shuffle_seed, True
+        shares: Any = ray_shares(
+            plan.dataset,
+            elastic,
+            world.world_size,
+            batch_size=self.batch_size or 1,
+            drop_last=self.drop_last,
+            buffer=plan.local_shuffle_buffer_size,
+            buffer_seed=plan.local_shuffle_seed,
+        )
+        if world.is_distributed:
+            import ray
+
+            shares = ray.remote(num_cpus=0)(ShareHolder).remote(shares)
+        return epoch, shares, None, None, False
 
     def _elastic_share(self, shares: Any, world: World) -> tuple[Any, int]:
         """This rank's dataset of the rest of an elastic epoch, and its batch count."""

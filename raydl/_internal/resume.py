@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from raydl._internal import elastic
+from raydl._internal.shuffle import rank_seed
 from raydl._internal.state import LoaderState, decode_rng
 
 if TYPE_CHECKING:
@@ -171,9 +172,7 @@ def _rest_of_streams(
     errors: list[BaseException] = []
 
     def read(rank: int) -> None:
-        seed = buffer_seed
-        if seed is not None and len(streams) > 1:
-            seed = (seed + rank) % (2**31 - 1)  # as each rank seeded its buffer
+        seed = rank_seed(buffer_seed, rank) if len(streams) > 1 else buffer_seed
         try:
             batches = streams[rank].iter_batches(
                 batch_size=batch_size,

@@ -34,6 +34,16 @@ def epoch_seed(seed: int, epoch: int, stream: int = 0) -> int:
     return int(state[0]) & _MAX_SEED
 
 
+def rank_seed(seed: int | None, rank: int) -> int | None:
+    """Rank ``rank``'s variant of a per-epoch seed (each rank's local buffer differs).
+
+    Example:
+        >>> rank_seed(10, 0), rank_seed(10, 1), rank_seed(None, 1)
+        (10, 11, None)
+    """
+    return None if seed is None else (seed + rank) % _MAX_SEED
+
+
 def seed_from_torch(generator: torch.Generator | None) -> int:
     """One non-negative seed drawn from ``generator``, or from torch's global RNG when ``None``.
 
