@@ -37,11 +37,8 @@ def main(record: str) -> None:
     raydl.init(num_cpus=2)
     cases = {
         "ray_one_row": (ray.data.range(1), {"batch_size": 4}),
-        "ray_empty": (ray.data.range(0), {"batch_size": 4}),
         "ray_big_batch": (ray.data.range(10), {"batch_size": 64}),
-        "ray_big_batch_drop_last": (ray.data.range(10), {"batch_size": 64, "drop_last": True}),
         "map_one_row": (SizedData(1), {"batch_size": 4}),
-        "map_empty": (SizedData(0), {"batch_size": 4}),
     }
     results = {}
     for name, (source, kwargs) in cases.items():

@@ -9,14 +9,17 @@ memory and driver-kill tests start their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from _private_ray import private_ray
+from _probes import wait_until
 
 _HERE = str(Path(__file__).resolve().parent)
 
@@ -32,9 +35,26 @@ _extend_pythonpath()
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    """A 2-CPU private Ray instance shared by the tests of one module."""
+    """A 2-CPU private Ray instance shared by the tests of one module.
+
+    On the way out it also checks that raydl's watcher of the embedded instance
+    (``raydl/_internal/reaper.py``) exits with it.
+    """
     with private_ray(num_cpus=2):
         yield
+    assert wait_until(lambda: not _watchers(), timeout=10), _watchers()
+
+
+def _watchers() -> list[int]:
+    """This process's live raydl watcher processes."""
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() != psutil.STATUS_ZOMBIE and any(
+                arg.endswith("reaper.py") for arg in child.cmdline()
+            ):
+                found.append(child.pid)
+    return found
 
 
 @pytest.fixture

@@ -218,8 +218,14 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
-def test_two_ranks_tiny_and_empty_sources(tmp_path: Path, ray_tmpdir: str) -> None:
-    """Fewer rows than ranks, no rows, a batch larger than a rank's share: under torchrun."""
+def test_two_ranks_with_fewer_rows_than_ranks_and_a_big_batch(
+    tmp_path: Path, ray_tmpdir: str
+) -> None:
+    """Fewer rows than ranks and a batch larger than a rank's share, under torchrun.
+
+    (Empty sources and ``drop_last`` are covered on one rank above; each case here
+    costs a pipeline and a split coordinator, so the launch is kept to three.)
+    """
     record = tmp_path / "edge"
     env = dict(os.environ, RAY_TMPDIR=ray_tmpdir, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
@@ -248,10 +254,7 @@ def test_two_ranks_tiny_and_empty_sources(tmp_path: Path, ray_tmpdir: str) -> No
         assert got[0]["batches"] == got[1]["batches"] == got[0]["len"] == got[1]["len"], (case, got)
     # streaming_split(equal=True) drops up to world_size - 1 rows: one row is dropped
     assert [ranks[r]["ray_one_row"]["ids"] for r in (0, 1)] == [[], []]
-    assert [ranks[r]["ray_empty"]["ids"] for r in (0, 1)] == [[], []]
     big = sorted(ranks[0]["ray_big_batch"]["ids"] + ranks[1]["ray_big_batch"]["ids"])
     assert big == list(range(10)) and ranks[0]["ray_big_batch"]["batches"] == 1
-    assert ranks[0]["ray_big_batch_drop_last"]["batches"] == 0
     # map-style: torch's DistributedSampler pads, so each rank gets the one row
     assert [ranks[r]["map_one_row"]["ids"] for r in (0, 1)] == [[0], [0]]
-    assert [ranks[r]["map_empty"]["ids"] for r in (0, 1)] == [[], []]

@@ -66,34 +66,33 @@ def release(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.timeout(120)
-def test_read_and_map_task_sigkilled_mid_epoch_delivers_every_row_once(tmp_path: Path) -> None:
-    """Ray Data fuses the read and the ``map_batches`` into one task (``ReadRange->MapBatches``)."""
-    marker = tmp_path / "killed"
-    ds = ray.data.range(ROWS, override_num_blocks=8).map_batches(
-        KillOnce(victim=250, marker=str(marker)), batch_size=20
+def test_ray_data_task_and_actor_sigkilled_mid_epoch_deliver_every_row_once(
+    tmp_path: Path,
+) -> None:
+    """Two stages, each SIGKILLed once mid-epoch by its own function (first attempt only).
+
+    The first ``map_batches`` is fused with the read into one task
+    (``ReadRange->MapBatches(KillOnce)``): Ray retries the task in a new process.
+    The second is a stateful stage on an actor pool: Ray restarts the actor and
+    resubmits its batch.
+    """
+    task_marker, actor_marker = tmp_path / "task-killed", tmp_path / "actor-killed"
+    ds = (
+        ray.data.range(ROWS, override_num_blocks=8)
+        .map_batches(KillOnce(victim=250, marker=str(task_marker)), batch_size=20)
+        .map_batches(
+            KillOnce,
+            fn_constructor_args=(130, str(actor_marker)),
+            batch_size=20,
+            compute=ray.data.ActorPoolStrategy(size=1),
+        )
     )
     loader = RayDataLoader(ds, batch_size=16)
     ids = _ids(loader)
     loader.close()
-    assert marker.exists(), "the worker was never killed"
+    assert task_marker.exists(), "the read task was never killed"
+    assert actor_marker.exists(), "the actor was never killed"
     assert ids == list(range(ROWS))  # in order, nothing lost, nothing twice
-
-
-@pytest.mark.timeout(120)
-def test_actor_stage_sigkilled_mid_epoch_delivers_every_row_once(tmp_path: Path) -> None:
-    """A stateful stage (an actor pool) loses its actor mid-epoch; Ray restarts it."""
-    marker = tmp_path / "killed"
-    ds = ray.data.range(ROWS, override_num_blocks=8).map_batches(
-        KillOnce,
-        fn_constructor_args=(130, str(marker)),
-        batch_size=20,
-        compute=ray.data.ActorPoolStrategy(size=1),
-    )
-    loader = RayDataLoader(ds, batch_size=16)
-    ids = _ids(loader)
-    loader.close()
-    assert marker.exists(), "the actor was never killed"
-    assert ids == list(range(ROWS))
 
 
 @pytest.mark.timeout(120)
@@ -108,7 +107,8 @@ def test_map_style_worker_sigkilled_from_outside_delivers_every_sample_once() ->
     loader.close()
     indices = [int(i) for b in batches for i in b["index"].tolist()]
     assert indices == list(range(48))  # in order, nothing lost, nothing twice
-    later = {int(p) for b in batches[3:] for p in b["pid"].tolist()}
+    # a batch or two the victim finished before it died may still arrive; none after them
+    later = {int(p) for b in batches[6:] for p in b["pid"].tolist()}
     assert victim not in later, "the killed worker kept serving"
 
 
