@@ -26,9 +26,10 @@ files in one process and is therefore not suitable.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
@@ -248,21 +249,19 @@ def read_parquet(
         partition_filter=ray_options.get("partition_filter"),
         exclude=frozenset(os.fspath(p) for p in user_skips),
     )
-    skip_paths = user_skips + _bad_parquet_files(policy, fs, files)
-    options, targets = dict(ray_options), list(stripped)
-    if skip_paths and ray.data.DataContext.get_current().use_datasource_v2:
-        options["skip_paths"] = skip_paths
-    elif skip_paths:  # Ray's older parquet reader has no skip_paths: name the files to read
-        left_out = {os.fspath(p) for p in skip_paths}
-        targets = [path for path, _ in files if path not in left_out]
+    left_out = {os.fspath(p) for p in user_skips + _bad_parquet_files(policy, fs, files)}
+    targets = [path for path, _ in files if path not in left_out]
+    options = {k: v for k, v in ray_options.items() if k not in _LISTING_OPTIONS}
+    options.setdefault("override_num_blocks", max(len(targets), _cluster_cpus()))
     try:
-        return ray.data.read_parquet(
-            targets,
-            filesystem=fs,
-            columns=list(columns) if columns is not None else None,
-            include_paths=include_paths,
-            **options,
-        )
+        with _parquet_reader_v1():
+            return ray.data.read_parquet(
+                targets,
+                filesystem=fs,
+                columns=list(columns) if columns is not None else None,
+                include_paths=include_paths,
+                **options,
+            )
     except (FileNotFoundError, PermissionError, RemoteReadError):
         raise
     except (ValueError, OSError) as err:
@@ -275,6 +274,42 @@ def read_parquet(
             f"parquet file {path!r} cannot be read: {reason}. Replace or delete it, or pass "
             "on_bad_file='skip' to read the other files without it"
         ) from err
+
+
+# Options raydl's own listing (above) applies before Ray sees the file list.
+_LISTING_OPTIONS = frozenset({"file_extensions", "ignore_missing_paths", "partition_filter"})
+
+
+@contextlib.contextmanager
+def _parquet_reader_v1() -> Iterator[None]:
+    """Build the read with Ray's first parquet reader (the ``DataContext`` is restored after).
+
+    Ray 2.60's default (V2) parquet reader lists the files and reads every footer
+    again at each execution, on 32 freshly started ``FooterReader`` actors, and
+    packs up to 128 MiB into one read task: each epoch waits ~2-5 s before its
+    first row and a small table is read by a single task. The V1 reader reads
+    the metadata once, here, and makes ``override_num_blocks`` read tasks, so an
+    epoch starts in ~0.1-0.3 s. Measured on a 2-core machine: an epoch of 1M rows
+    in 16 files (filter + downsampling + global shuffle) took 1.7-2.1 s this way,
+    8-9 s with the V2 reader, and 24-29 s with V1's default of 200 read tasks
+    (a shuffle's cost grows with the square of the block count, hence one read
+    task per file, at least one per CPU, unless ``override_num_blocks`` is given).
+    """
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    saved = context.use_datasource_v2
+    context.use_datasource_v2 = False
+    try:
+        yield
+    finally:
+        context.use_datasource_v2 = saved
+
+
+def _cluster_cpus() -> int:
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 def _bad_parquet_files(
