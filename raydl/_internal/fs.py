@@ -21,6 +21,8 @@ cache configuration, so it works in worker processes on any node.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import io
 import random
 import time
@@ -182,16 +184,31 @@ class _RetryingFile(io.RawIOBase):
         return pos
 
     def _read_once(self, n: int) -> bytes:
+        size = self._size
+        if self._file is None and size is not None and (n < 0 or self._pos + n >= size):
+            # The rest of the object (a whole image, a parquet footer): one ranged GET,
+            # without opening a file (which costs another metadata request).
+            if self._pos >= size:
+                return b""
+            data: bytes = self._handler.fs.cat_file(self._path, start=self._pos, end=size)
+            return data
         if self._file is None:
-            self._file = self._handler.fs.open(self._path, mode="rb")
+            self._file = self._handler.fs.open(self._path, mode="rb", **self._known_size())
         try:
             if self._file.tell() != self._pos:
                 self._file.seek(self._pos)
-            data: bytes = self._file.read(n)
+            data = self._file.read(n)
         except BaseException:
             self._drop_file()
             raise
         return data
+
+    def _known_size(self) -> dict[str, int]:
+        """``size=`` for filesystems whose ``open`` takes it (s3fs, gcsfs, http), saving a lookup."""
+        fs_type: Any = type(self._handler.fs)
+        if self._size is None or not _open_takes_size(fs_type):
+            return {}
+        return {"size": self._size}
 
     def read(self, size: int = -1) -> bytes:
         data = self._handler.call(lambda: self._read_once(size), "read", self._path)
@@ -216,6 +233,11 @@ class _RetryingFile(io.RawIOBase):
     def close(self) -> None:
         self._drop_file()
         super().close()
+
+
+@functools.cache
+def _open_takes_size(fs_type: Any) -> bool:
+    return "size" in inspect.signature(fs_type._open).parameters
 
 
 class RemoteHandler(pafs.FSSpecHandler):

@@ -1,4 +1,8 @@
-"""raydl.sources and the disk cache on local filesystems (the S3 server tests are in tests/s3)."""
+"""raydl.sources and the disk cache on local filesystems (the S3 server tests are in tests/s3).
+
+Every test here may be the one that starts the module's Ray (autouse fixture), which
+takes tens of seconds on a busy 2-core machine: no timeout below 120 s.
+"""
 
 from __future__ import annotations
 
@@ -92,7 +96,7 @@ def _handler(cache_dir: Path, max_bytes: int | None = None) -> RemoteHandler:
     )
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_label_from_path() -> None:
     assert label_from_path("bucket/train/3/ab12.jpeg") == "3"
     assert label_from_path("s3://bucket/train/3/ab12.jpeg", level=-3) == "train"
@@ -100,7 +104,7 @@ def test_label_from_path() -> None:
         label_from_path("a/b", level=-9)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_resolve_filesystem_rejects_bad_options() -> None:
     with pytest.raises(ValueError, match="paths should all use one protocol"):
         resolve_filesystem(["s3://a/x", "/tmp/y"])
@@ -118,7 +122,7 @@ def test_resolve_filesystem_rejects_bad_options() -> None:
     assert (paths, fs.type_name) == (["/tmp/x.parquet"], "local")
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_cache_hit_miss_and_changed_object(tmp_path: Path) -> None:
     src = tmp_path / "obj.bin"
     src.write_bytes(b"a" * 10)
@@ -136,7 +140,7 @@ def test_cache_hit_miss_and_changed_object(tmp_path: Path) -> None:
     assert (stats.misses, stats.hits, stats.entries) == (2, 1, 2)
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_cache_lru_eviction_keeps_bound(tmp_path: Path) -> None:
     handler = _handler(tmp_path / "cache", max_bytes=250)
     fs = pafs.PyFileSystem(handler)
@@ -161,7 +165,7 @@ def _read_all(cache_dir: str, paths: list[str], out: Any) -> None:
     out.put(ok)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_cache_concurrent_writers(tmp_path: Path) -> None:
     paths = []
     for i in range(20):
@@ -185,7 +189,7 @@ def test_cache_concurrent_writers(tmp_path: Path) -> None:
     assert not os.listdir(tmp_path / "cache" / "tmp")  # no partial downloads left
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(120)
 def test_retry_exhausted_names_endpoint_and_key() -> None:
     calls = []
 
@@ -221,12 +225,12 @@ def test_cache_in_ray_workers_with_latency(tmp_path: Path) -> None:
     assert (cache.stats().misses, cache.stats().hits) == (12, 12)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)
 def test_fsspec_registry_untouched() -> None:
     assert "slowlocal" not in fsspec.available_protocols()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("threads", [8, 1])
 def test_recursive_listing_lists_sub_prefixes_in_parallel(tmp_path: Path, threads: int) -> None:
     _label_tree(tmp_path)
@@ -250,7 +254,7 @@ def test_recursive_listing_lists_sub_prefixes_in_parallel(tmp_path: Path, thread
     )
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_recursive_listing_of_a_missing_prefix_names_it(tmp_path: Path) -> None:
     handler = RemoteHandler(ListingProbeFS(), endpoint="e", retry=RetryPolicy(attempts=1))
     missing = str(tmp_path / "no-such-prefix")
@@ -288,7 +292,7 @@ def test_parallel_listing_reads_the_same_files_in_the_same_order(tmp_path: Path)
     assert len(got) == 8 * 4 + 2  # labels, top.bin and 3/nested/deep.bin; no hidden entries
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_list_files_follows_ray_rules(tmp_path: Path) -> None:
     _label_tree(tmp_path)
     (tmp_path / "1" / "readme.txt").write_text("not data")

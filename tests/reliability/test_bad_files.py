@@ -74,19 +74,19 @@ def _image(path: Path, value: int) -> None:
     Image.fromarray(np.full((8, 8), value, dtype=np.uint8)).save(path, format="PNG")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_snapshot_is_empty_before_any_skip() -> None:
     assert skips.snapshot() == []
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_snapshot_is_empty_without_ray() -> None:
     code = "from raydl._internal.skips import snapshot; assert snapshot() == []; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_on_bad_file_rejects_unknown_values(tmp_path: Path) -> None:
     for reader in (sources.read_parquet, sources.read_images, sources.read_binary_files):
         with pytest.raises(
@@ -156,7 +156,7 @@ def test_bad_parquet_skip_with_rays_older_parquet_reader(tmp_path: Path) -> None
     assert set(_skipped_under(tmp_path)) == {str(parts[2])}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_parquet_skip_with_nothing_left_is_an_error(tmp_path: Path) -> None:
     parts = _write_parts(tmp_path / "table", 2)
     for part in parts:
