@@ -334,6 +334,26 @@ class IterableIterator(_BaseIterator):
             self._on_close()
 
 
+def users_error(err: BaseException) -> BaseException:
+    """The exception a user's Ray Data stage raised, rather than Ray's wrapper of it.
+
+    torch re-raises a worker's exception with its own type, so raydl does too:
+    epoch plans run with ``raise_original_map_exception`` (see ``plan.py``), so
+    Ray's ``RayTaskError`` carries the user's exception as its ``cause``. The
+    wrapper stays chained as the cause: its text names the stage and carries the
+    worker-side traceback down to the user's frame.
+    """
+    from ray.exceptions import RayTaskError
+
+    if not isinstance(err, RayTaskError):
+        return err
+    cause = err.cause
+    if not isinstance(cause, Exception) or isinstance(cause, RayTaskError):
+        return err
+    cause.__cause__ = err
+    return cause
+
+
 class _Failure:
     """An exception raised in the producer thread, carried to the consumer."""
 
@@ -446,7 +466,7 @@ class RayDatasetIterator(_BaseIterator):
         if item is _DONE:
             raise StopIteration
         if isinstance(item, _Failure):
-            raise item.error
+            raise users_error(item.error)
         return item
 
     def _release(self) -> None:

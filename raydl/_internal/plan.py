@@ -55,6 +55,8 @@ def plan_epoch(
 
     ds = Dataset.copy(dataset, _deep_copy=True)  # own DataContext: the user's stays untouched
     ds.context.execution_options.preserve_order = deterministic
+    # A stage's exception reaches the trainer with its own type, as torch's workers' do.
+    ds.context.raise_original_map_exception = True
     ds.context.enable_progress_bars = False
     buffer = None
     buffer_seed = None

@@ -187,11 +187,6 @@ def test_map_batches_error_names_the_stage_and_the_users_frame() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="raydl bug: a map_batches exception reaches the trainer as "
-    "RayTaskError(UserCodeException), not as the user's ValueError",
-)
 def test_map_batches_error_keeps_the_original_type() -> None:
     ds = ray.data.range(200, override_num_blocks=10).map_batches(reject_row_57, batch_size=10)
     with pytest.raises(ValueError, match="row 57 is corrupt"):
