@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -81,6 +82,16 @@ def snapshot() -> Snapshot:
         fds=open_fds(),
         actors=len(live_actors()),
     )
+
+
+def _new(before: list[str]) -> dict[str, int]:
+    """Threads (by name, ``raydl-epoch-N-producer`` by kind) running now and not in ``before``."""
+
+    def kind(name: str) -> str:
+        return "raydl-epoch-*-producer" if name.startswith("raydl-epoch") else name.split("-")[0]
+
+    grown = Counter(kind(t) for t in raydl_threads()) - Counter(kind(t) for t in before)
+    return dict(grown)
 
 
 def _median(snaps: list[Snapshot], field: str) -> float:
@@ -189,7 +200,7 @@ def test_fifty_early_breaks_of_a_ray_data_loader_leak_nothing(leak_cleanup: None
     for _ in range(10):  # checked every 5 breaks: a leak fails fast instead of piling up
         _break_early(loader, 5)
         gc.collect()
-        assert wait_until(lambda: raydl_threads() == raydl_before, timeout=5), raydl_threads()
+        assert wait_until(lambda: raydl_threads() == raydl_before, timeout=5), _new(raydl_before)
     settled = wait_until(lambda: _settled(1 * MIB))
     assert settled, (busy_workers(), free_cpus(), _store_pinned() / MIB)
     assert psutil.Process().num_threads() <= threads_before * 1.05
@@ -215,5 +226,5 @@ def test_loaders_dropped_without_close_release_their_pipelines(leak_cleanup: Non
     for _ in range(2):
         assert evaluate() == 200
     gc.collect()
-    assert wait_until(lambda: raydl_threads() == before, timeout=5), raydl_threads()
+    assert wait_until(lambda: raydl_threads() == before, timeout=5), _new(before)
     assert wait_until(lambda: not busy_workers()), busy_workers()
