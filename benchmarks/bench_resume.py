@@ -2,12 +2,14 @@
 
 For each kind, one process and one warm Ray instance:
 
+* ``full``: a new loader's whole epoch (its start-up included);
 * ``half``: in an uninterrupted epoch, the time from the middle batch to the end;
 * ``resume``: a new loader, ``load_state_dict`` of the state saved at the middle
   batch, then iterating to the end of the epoch (what a restarted job pays).
 
-A ratio ``resume / half`` near 1 means the resume costs nothing beyond the data
-left; above 1 is the price of re-creating the skipped part. Map-style datasets
+``resume / half`` near 1 means the resume costs nothing beyond the data left;
+above 1 is the price of the start-up (``full - 2 * half`` roughly) and of
+re-creating the skipped part. Map-style datasets
 skip indices without fetching them; iterable datasets and Ray Data pipelines
 re-produce the skipped batches (Ray Data's order is a function of (seed, epoch),
 so the skipped part runs through the pipeline again).
@@ -86,6 +88,12 @@ def measure(name: str, make: Callable[[], raydl.RayDataLoader]) -> dict[str, Any
     warm = make()
     total = sum(1 for _ in warm)  # warm-up epoch 0: Ray, workers, file cache
     warm.close()
+    fresh = make()
+    fresh.set_epoch(1)
+    start = time.perf_counter()
+    sum(1 for _ in fresh)
+    full = time.perf_counter() - start
+    fresh.close()
     middle = total // 2
     loader = make()
     loader.set_epoch(1)
@@ -105,9 +113,12 @@ def measure(name: str, make: Callable[[], raydl.RayDataLoader]) -> dict[str, Any
     resumed.close()
     if again != rest:
         raise SystemExit(f"{name}: resumed {again} batches, expected {rest}")
-    row = {"kind": name, "batches": total, "half_s": half, "resume_s": resume}
+    row = {"kind": name, "batches": total, "full_s": full, "half_s": half, "resume_s": resume}
     row["ratio"] = resume / half
-    print(f"| {name} | {total} | {middle} | {half:.2f} | {resume:.2f} | {row['ratio']:.2f} |")
+    print(
+        f"| {name} | {total} | {middle} | {full:.2f} | {half:.2f} | {resume:.2f} "
+        f"| {row['ratio']:.2f} |"
+    )
     return row
 
 
@@ -117,11 +128,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write results.json here")
     args = parser.parse_args()
     print("command:", " ".join([sys.executable, *sys.argv]))
-    n = 4000 if args.quick else 20000
-    rows = 200_000 if args.quick else 2_000_000
+    n = 40_000 if args.quick else 200_000
+    rows = 1_000_000 if args.quick else 5_000_000
     raydl.init()
-    print("| source | batches/epoch | resumed at batch | second half (s) | resume (s) | ratio |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| source | batches/epoch | resumed at batch | fresh full epoch (s) "
+        "| second half (s) | resume to end (s) | resume / half |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         pipeline = parquet_pipeline(Path(tmp), rows)
         results = [
