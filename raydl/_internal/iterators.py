@@ -405,58 +405,34 @@ class RayDatasetIterator(_BaseIterator):
         )
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
-        self._batches = source.iter_batches(
-            batch_size=batch_size,
-            batch_format="numpy",
-            drop_last=drop_last,
-            prefetch_batches=max(1, prefetch),
-            local_shuffle_buffer_size=local_shuffle_buffer_size,
-            local_shuffle_seed=local_shuffle_seed,
-        )
-        self._source = source
-        self._summary: str | None = None
-        self._collate = collate_fn if collate_fn is not None else numpy_batch_to_tensors
-        self._skip = skip
-        self._start_next = start_next
-        self._start_next_early = start_next_early
         self.num_yielded = skip
+        # The thread runs a _Producer that does not refer to this iterator, so a
+        # `break` that drops the iterator lets it be collected, and its __del__
+        # stops the thread and Ray's executor, as torch's iterators do.
+        self._producer = _Producer(
+            source,
+            source.iter_batches(
+                batch_size=batch_size,
+                batch_format="numpy",
+                drop_last=drop_last,
+                prefetch_batches=max(1, prefetch),
+                local_shuffle_buffer_size=local_shuffle_buffer_size,
+                local_shuffle_seed=local_shuffle_seed,
+            ),
+            self._queue,
+            self._stop,
+            collate=collate_fn if collate_fn is not None else numpy_batch_to_tensors,
+            skip=skip,
+            start_next=start_next,
+            start_next_early=start_next_early,
+        )
         self._thread = threading.Thread(
-            target=self._produce, name=f"raydl-epoch-{epoch}-producer", daemon=True
+            target=self._producer.run, name=f"raydl-epoch-{epoch}-producer", daemon=True
         )
         self._thread.start()
 
-    def _produce(self) -> None:
-        batches = iter(self._batches)
-        try:
-            for position, batch in enumerate(batches):
-                if self._stop.is_set():
-                    return
-                if position == 0 and self._start_next_early:
-                    self._next_epoch()
-                if position < self._skip:
-                    continue
-                self._put(self._collate(batch))
-            self._next_epoch()
-            with contextlib.suppress(Exception):  # a summary is a nicety, never a failure
-                self._summary = self._source.stats()
-            self._put(_DONE)
-        except BaseException as err:
-            self._put(_Failure(err))
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()  # shuts Ray Data's streaming executor down
-
     def _execution_summary(self) -> str | None:
-        return self._summary
-
-    def _next_epoch(self) -> None:
-        start, self._start_next = self._start_next, None
-        if start is not None and not self._stop.is_set():
-            start()
-
-    def _put(self, item: Any) -> None:
-        put_until_stopped(self._queue, item, self._stop)
+        return self._producer.summary
 
     def _next_batch(self) -> Any:
         try:
@@ -472,4 +448,62 @@ class RayDatasetIterator(_BaseIterator):
     def _release(self) -> None:
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=30)
+            # A producer waiting inside Ray's iterator (a stalled stage) notices the
+            # stop only when Ray yields; do not make the caller wait for that.
+            self._thread.join(timeout=2)
+
+
+class _Producer:
+    """The body of an epoch's producer thread: Ray's batches, converted, into the queue."""
+
+    def __init__(
+        self,
+        source: Any,
+        batches: Any,
+        out: queue.Queue[Any],
+        stop: threading.Event,
+        *,
+        collate: Callable[[Any], Any],
+        skip: int,
+        start_next: Callable[[], None] | None,
+        start_next_early: bool,
+    ) -> None:
+        self._source = source
+        self._batches = batches
+        self._queue = out
+        self._stop = stop
+        self._collate = collate
+        self._skip = skip
+        self._start_next = start_next
+        self._start_next_early = start_next_early
+        self.summary: str | None = None  # Ray Data's per-stage summary, once exhausted
+
+    def run(self) -> None:
+        batches = iter(self._batches)
+        try:
+            for position, batch in enumerate(batches):
+                if self._stop.is_set():
+                    return
+                if position == 0 and self._start_next_early:
+                    self._next_epoch()
+                if position < self._skip:
+                    continue
+                self._put(self._collate(batch))
+            self._next_epoch()
+            with contextlib.suppress(Exception):  # a summary is a nicety, never a failure
+                self.summary = self._source.stats()
+            self._put(_DONE)
+        except BaseException as err:
+            self._put(_Failure(err))
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # shuts Ray Data's streaming executor down
+
+    def _next_epoch(self) -> None:
+        start, self._start_next = self._start_next, None
+        if start is not None and not self._stop.is_set():
+            start()
+
+    def _put(self, item: Any) -> None:
+        put_until_stopped(self._queue, item, self._stop)

@@ -181,12 +181,13 @@ def test_fifty_early_breaks_of_a_map_style_loader_leak_nothing() -> None:
     assert wait_until(lambda: not live_actors()), live_actors()
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.xfail(
     strict=True,
-    reason="raydl bug: a Ray Data epoch left by break is never closed (its producer thread "
-    "holds the iterator): producer, executor and threads leak per break; ~45 breaks hang",
+    reason="Ray Data 2.60 bug: an iteration closed before its end keeps its WaitBlockPrefetcher "
+    "thread ('Prefetcher': the thread holds the prefetcher, and stop() runs only at "
+    "exhaustion). raydl's producer threads and Ray's executors are released",
 )
+@pytest.mark.timeout(120)
 def test_fifty_early_breaks_of_a_ray_data_loader_leak_nothing(leak_cleanup: None) -> None:
     loader = RayDataLoader(
         ray.data.range(20_000, override_num_blocks=20).map_batches(double, batch_size=500),
@@ -208,13 +209,13 @@ def test_fifty_early_breaks_of_a_ray_data_loader_leak_nothing(leak_cleanup: None
     loader.close()
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.xfail(
     strict=True,
-    reason="raydl bug: a Ray Data loader dropped without close() after a full epoch keeps "
-    "its early-started next epoch (overlap_epochs) running: producer thread, Ray Data "
-    "executor and threads leak, one set per loader",
+    reason="Ray Data 2.60 bug: an iteration closed before its end keeps its WaitBlockPrefetcher "
+    "thread ('Prefetcher': the thread holds the prefetcher, and stop() runs only at "
+    "exhaustion). raydl's producer threads and Ray's executors are released",
 )
+@pytest.mark.timeout(120)
 def test_loaders_dropped_without_close_release_their_pipelines(leak_cleanup: None) -> None:
     """``for batch in RayDataLoader(...)`` in a function called again and again."""
     before = raydl_threads()
