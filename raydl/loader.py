@@ -517,12 +517,16 @@ class RayDataLoader(Iterable[Any]):
         ``samples_per_s``, ``time_to_first_batch_s`` and, for Ray Data sources,
         ``ray_data``: Ray Data's per-stage summary of the epoch's execution
         (per epoch). These are this rank's figures; see :meth:`gather_stats`.
+        ``skipped_files``: the files a reader with ``on_bad_file="skip"`` left out
+        in this Ray job (``{"path", "reason"}`` each; counted once per file).
 
         Example:
             >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP
             0.013
         """
-        return summarize(self._stats)
+        from raydl._internal import skips
+
+        return {**summarize(self._stats), "skipped_files": skips.snapshot()}
 
     def gather_stats(self) -> list[dict[str, Any]] | None:
         """Every rank's :meth:`stats` on rank 0, in rank order (``None`` on other ranks).

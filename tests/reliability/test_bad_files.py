@@ -252,3 +252,6 @@ def test_ledger_records_each_file_once_over_epochs(tmp_path: Path) -> None:
     entries = [e for e in skips.snapshot() if e["path"].startswith(str(tmp_path))]
     assert sorted(e["path"] for e in entries) == sorted(str(p) for p in bad)
     assert all(set(e) == {"path", "reason"} for e in entries)
+    in_stats = loader.stats()["skipped_files"]  # what the loader reports to the user
+    assert [e for e in in_stats if e["path"].startswith(str(tmp_path))] == entries
+    loader.close()
