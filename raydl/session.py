@@ -9,6 +9,7 @@ on every rank, and the ranks can no longer share one pipeline.
 from __future__ import annotations
 
 from raydl._internal import cluster
+from raydl._internal.overlap import discard_all
 from raydl._internal.world import World
 
 __all__ = ["init", "shutdown"]
@@ -43,4 +44,5 @@ def shutdown() -> None:
         >>> import raydl
         >>> raydl.shutdown()  # doctest: +SKIP
     """
+    discard_all()  # early-started epochs stop first: none may re-connect to Ray afterwards
     cluster.shutdown()

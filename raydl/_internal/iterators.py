@@ -405,6 +405,7 @@ class RayDatasetIterator(_BaseIterator):
         )
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
+        self._stalled = False  # a wait for a batch timed out
         self.num_yielded = skip
         # The thread runs a _Producer that does not refer to this iterator, so a
         # `break` that drops the iterator lets it be collected, and its __del__
@@ -438,6 +439,7 @@ class RayDatasetIterator(_BaseIterator):
         try:
             item = self._queue.get(timeout=self._timeout if self._timeout > 0 else None)
         except queue.Empty:
+            self._stalled = True
             raise timeout_error(self._timeout) from None
         if item is _DONE:
             raise StopIteration
@@ -448,9 +450,11 @@ class RayDatasetIterator(_BaseIterator):
     def _release(self) -> None:
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            # A producer waiting inside Ray's iterator (a stalled stage) notices the
-            # stop only when Ray yields; do not make the caller wait for that.
-            self._thread.join(timeout=2)
+            # Wait for the producer to close Ray's iterator (its executor shuts down and
+            # nothing touches Ray after a later ray.shutdown()). After a timeout the
+            # producer is stuck inside Ray's iterator until the stage yields: then the
+            # error must not wait for it.
+            self._thread.join(timeout=2 if self._stalled else 30)
 
 
 class _Producer:

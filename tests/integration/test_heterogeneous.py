@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from raydl import RayDataLoader
+from raydl._internal.overlap import discard_all as discard_early_epochs
 
 ROWS = 48
 
@@ -24,7 +26,10 @@ def ray_cluster() -> Iterator[Any]:
     from raydl._internal import cluster as raydl_cluster
     from raydl._internal import env
 
-    env.ensure_token_auth_mode()
+    if env.ensure_token_auth_mode():
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        Config.initialize("")  # Ray reads the auth mode once: as raydl's ensure_ray does
     saved = os.environ.get("RAY_TMPDIR")
     with tempfile.TemporaryDirectory(prefix="rdlhet", ignore_cleanup_errors=True) as tmp:
         os.environ["RAY_TMPDIR"] = tmp
@@ -37,6 +42,8 @@ def ray_cluster() -> Iterator[Any]:
             raydl_cluster.ensure_ray(cluster.address)
             yield cluster, gpu_node.node_id
         finally:
+            gc.collect()  # dropped loaders close their pipelines while Ray is up
+            discard_early_epochs()  # no early epoch may re-connect after the shutdown
             ray.shutdown()
             cluster.shutdown()
             if saved is None:
