@@ -241,9 +241,9 @@ def test_stalled_map_batches_stage_times_out_like_torch(release: Path) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.xfail(
     strict=True,
-    reason="raydl bug: on a Ray Data timeout (and on close()) raydl joins its producer thread, "
-    "blocked in Ray's iterator, for 30 s: the error comes timeout + 30 s late, and close() "
-    "then leaves the stalled task, the executor and its threads running",
+    reason="raydl bug: after a Ray Data timeout (now raised within ~2 s), close() leaves the "
+    "stalled task, the executor and its threads running until the stage returns: Ray Data "
+    "cannot cancel an execution from another thread",
 )
 def test_stalled_map_batches_stage_times_out_promptly_and_close_stops_it(release: Path) -> None:
     ds = ray.data.range(200, override_num_blocks=10).map_batches(
