@@ -637,7 +637,13 @@ class RayDataLoader(Iterable[Any]):
         inner.stats = stats
         inner.log_summary = self.options.log_stats
         if self.options.progress_bar:
-            from tqdm.auto import tqdm
+            try:
+                from tqdm.auto import tqdm
+            except ImportError as err:
+                raise ImportError(
+                    "progress_bar=True needs tqdm, which is not installed; "
+                    "pip install 'raydl[progress]' (or tqdm), or pass progress_bar=False"
+                ) from err
 
             inner.progress = tqdm(
                 total=inner._length, desc=f"epoch {self._epoch_in_progress}", unit="batch"
