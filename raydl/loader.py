@@ -392,6 +392,7 @@ class RayDataLoader(Iterable[Any]):
         self._worker_seed: int | None = None  # base seed of the current workers
         self._resume: LoaderState | None = None
         self._next = NextEpoch()  # Ray Data: the next epoch, started early
+        self._built: tuple[int, Any] | None = None  # PerEpoch: the last epoch's plan
         self._stats: list[EpochStats] = []
         self._pin_warned = False
         self._initialized = True
@@ -652,10 +653,18 @@ class RayDataLoader(Iterable[Any]):
         return iterator
 
     def _epoch_dataset(self, epoch: int) -> Any:
-        """The user's Ray Data plan for ``epoch`` (a :class:`PerEpoch` is built for it)."""
-        if isinstance(self.dataset, PerEpoch):
-            return self.dataset.dataset(epoch)
-        return self.dataset
+        """The user's Ray Data plan for ``epoch`` (a :class:`PerEpoch` is built once for it).
+
+        The planner and ``len()`` both ask for it; the last build is kept so the
+        user's function runs once per epoch (it is pure in ``epoch``).
+        """
+        if not isinstance(self.dataset, PerEpoch):
+            return self.dataset
+        built = self._built
+        if built is None or built[0] != epoch:
+            built = (epoch, self.dataset.dataset(epoch))
+            self._built = built  # one assignment: safe with the early-epoch thread
+        return built[1]
 
     def _plan(self, epoch: int) -> EpochPlan:
         batch_size = self.batch_size
