@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-import cloudpickle
+from ray import cloudpickle  # Ray's own copy: the workers unpickle with it too
 from torch.utils.data import Dataset
 
 from raydl._internal.cluster import is_connected
