@@ -39,7 +39,7 @@ from raydl._internal.iterators import (
 )
 from raydl._internal.metrics import EpochStats, summarize
 from raydl._internal.overlap import NextEpoch
-from raydl._internal.plan import SHUFFLE_MODES, EpochPlan, plan_epoch
+from raydl._internal.plan import SHUFFLE_MODES, EpochPlan, plan_epoch, stage_names
 from raydl._internal.pool import WorkerPool
 from raydl._internal.resume import (
     ShareHolder,
@@ -830,6 +830,7 @@ class RayDataLoader(Iterable[Any]):
             length=length if length is not None else self._length_or_none(epoch),
             epoch=epoch,
             skip=skip,
+            stages=stage_names(self._epoch_dataset(epoch)),
             **hooks,
         )
 

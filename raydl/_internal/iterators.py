@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.utils.data._utils import ExceptionWrapper
@@ -32,6 +32,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 from raydl._internal.cluster import is_connected
 from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
 from raydl._internal.metrics import EpochStats, logger
+from raydl._internal.plan import STAGE_RETRIES
 from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
 from raydl._internal.threads import put_until_stopped
 from raydl._internal.workers import EXHAUSTED, describe_indices
@@ -334,7 +335,7 @@ class IterableIterator(_BaseIterator):
             self._on_close()
 
 
-def users_error(err: BaseException) -> BaseException:
+def users_error(err: BaseException, stages: Sequence[str] = ()) -> BaseException:
     """The exception a user's Ray Data stage raised, rather than Ray's wrapper of it.
 
     torch re-raises a worker's exception with its own type, so raydl does too:
@@ -342,9 +343,25 @@ def users_error(err: BaseException) -> BaseException:
     Ray's ``RayTaskError`` carries the user's exception as its ``cause``. The
     wrapper stays chained as the cause: its text names the stage and carries the
     worker-side traceback down to the user's frame.
-    """
-    from ray.exceptions import RayTaskError
 
+    A worker process that died on every attempt (Ray's ``WorkerCrashedError`` /
+    ``RayActorError`` once the bounded retries are spent) becomes a
+    :class:`WorkerDiedError` naming the plan's ``stages``; Ray does not say which
+    stage's task it was, only its log does.
+    """
+    from ray.exceptions import RayActorError, RayTaskError, WorkerCrashedError
+
+    if isinstance(err, (WorkerCrashedError, RayActorError)):
+        died = WorkerDiedError(
+            f"a Ray worker process running this epoch's Ray Data stages "
+            f"({' -> '.join(stages) or 'unknown'}) died on all {STAGE_RETRIES + 1} attempts "
+            "of the same task (a crash, os._exit, a segfault or an out-of-memory kill). An "
+            "input that kills its worker every time cannot be loaded: find it from the "
+            "stage's logs (Ray's raylet log names the dead worker), fix or filter it out; "
+            "set max_retries in the stage's ray_remote_args to retry more often"
+        )
+        died.__cause__ = err
+        return died
     if not isinstance(err, RayTaskError):
         return err
     cause = err.cause
@@ -387,8 +404,12 @@ class RayDatasetIterator(_BaseIterator):
         skip: int = 0,
         start_next: Callable[[], None] | None = None,
         start_next_early: bool = False,
+        stages: Sequence[str] = (),
     ) -> None:
         """``source`` is the epoch's ``ray.data.Dataset`` or this rank's ``DataIterator`` split.
+
+        ``stages``: the names of the plan's stages, for an error that cannot say
+        which one failed.
 
         ``skip``: batches to drop first (a resume). The epoch's order is a pure
         function of (seed, epoch), so the batches after them are exactly those an
@@ -406,6 +427,7 @@ class RayDatasetIterator(_BaseIterator):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         self._stalled = False  # a wait for a batch timed out
+        self._stages = tuple(stages)
         self.num_yielded = skip
         # The thread runs a _Producer that does not refer to this iterator, so a
         # `break` that drops the iterator lets it be collected, and its __del__
@@ -444,7 +466,7 @@ class RayDatasetIterator(_BaseIterator):
         if item is _DONE:
             raise StopIteration
         if isinstance(item, _Failure):
-            raise users_error(item.error)
+            raise users_error(item.error, self._stages)
         return item
 
     def _release(self) -> None:

@@ -10,14 +10,21 @@ their own resources, filters). For each epoch raydl derives a new plan from it
   buffer while batching: cheaper, only approximately uniform;
 * no shuffle: the plan as given.
 
+Every stage's Ray tasks are retried at most :data:`STAGE_RETRIES` times when
+their process dies (Ray Data's default is forever, so an input that kills its
+worker every time would hang the trainer); a stage that sets ``max_retries`` /
+``max_task_retries`` itself keeps its own.
+
 With ``deterministic=True`` the epoch plan runs with Ray Data's
 ``preserve_order``, so the row order is a pure function of (seed, epoch).
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raydl._internal.shuffle import epoch_seed
 
@@ -25,6 +32,9 @@ if TYPE_CHECKING:
     import ray.data
 
 SHUFFLE_MODES = ("global", "blocks")
+
+#: How often a stage's task is retried after its worker process died (Ray Data: forever).
+STAGE_RETRIES = 3
 
 _BLOCK_ORDER_STREAM = 1
 _LOCAL_BUFFER_STREAM = 2
@@ -58,6 +68,7 @@ def plan_epoch(
     # A stage's exception reaches the trainer with its own type, as torch's workers' do.
     ds.context.raise_original_map_exception = True
     ds.context.enable_progress_bars = False
+    ds = bound_retries(ds, STAGE_RETRIES)
     buffer = None
     buffer_seed = None
     if shuffle:
@@ -68,6 +79,54 @@ def plan_epoch(
             buffer = local_shuffle_buffer_size
             buffer_seed = epoch_seed(seed, epoch, _LOCAL_BUFFER_STREAM)
     return EpochPlan(ds, buffer, buffer_seed, all_to_all=has_all_to_all(ds))
+
+
+def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:
+    """The same plan with every stage retrying a dead worker's task at most ``retries`` times.
+
+    Ray Data retries map and read tasks forever (``max_retries=-1``) and actor-pool
+    tasks on restarted actors forever (``max_task_retries=-1``). The operators of
+    the user's plan are shared with the user's dataset, so the stages are copied
+    (Ray's own copy-on-write ``_apply_transform``), never changed in place. A stage
+    whose ``ray_remote_args`` already say how often to retry keeps them.
+    """
+    try:
+        from ray.data import ActorPoolStrategy
+        from ray.data._internal.logical.interfaces import LogicalPlan
+        from ray.data._internal.logical.operators.map_operator import AbstractMap
+    except ImportError:  # pragma: no cover - Ray moved its internals
+        warnings.warn(
+            "raydl could not bound Ray Data's task retries (Ray's internals moved): an input "
+            "that kills its worker every time will be retried forever",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return dataset
+
+    def bounded(op: Any) -> Any:
+        if not isinstance(op, AbstractMap):
+            return op
+        given: Any = op  # Ray sets a stage's fields dynamically: mypy cannot see them
+        key = "max_task_retries" if isinstance(given.compute, ActorPoolStrategy) else "max_retries"
+        if key in given.ray_remote_args:
+            return op
+        stage = copy.copy(op)
+        object.__setattr__(stage, "ray_remote_args", {**given.ray_remote_args, key: retries})
+        return stage
+
+    plan = dataset._logical_plan
+    dag = plan.dag._apply_transform(bounded)
+    if dag is plan.dag:
+        return dataset
+    return type(dataset)._from_parent(dataset, LogicalPlan(dag, plan.context))
+
+
+def stage_names(dataset: ray.data.Dataset) -> tuple[str, ...]:
+    """The names of the plan's stages, sources first (``ReadParquet``, ``MapBatches(decode)``)."""
+    try:
+        return tuple(op.name for op in dataset._logical_plan.dag.post_order_iter())
+    except AttributeError:  # pragma: no cover - Ray moved its internals
+        return ()
 
 
 def has_all_to_all(dataset: ray.data.Dataset) -> bool:

@@ -275,3 +275,34 @@ def test_stats_carry_ray_data_stage_summary_progress_and_log(
     assert loader.gather_stats() == [loader.stats()]
     with pytest.raises(TypeError, match="progress_bar option should be a bool, got 'yes'"):
         RayDataLoader(ds, batch_size=8, progress_bar="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_epoch_plans_bound_task_retries_and_keep_the_users_stages() -> None:
+    """Ray Data retries a dead worker's task forever; raydl's epoch plans at most STAGE_RETRIES."""
+    from raydl._internal.plan import STAGE_RETRIES, bound_retries
+
+    ds = (
+        ray.data.range(N)
+        .map_batches(lambda b: b)
+        .map_batches(lambda b: b, max_retries=7)
+        .map_batches(_Identity, compute=ray.data.ActorPoolStrategy(size=1))
+    )
+
+    def retry_args(dataset: Any) -> list[dict[str, Any]]:
+        ops = dataset._logical_plan.dag.post_order_iter()
+        return [dict(op.ray_remote_args) for op in ops if hasattr(op, "ray_remote_args")]
+
+    before = retry_args(ds)
+    bounded = retry_args(bound_retries(ds, STAGE_RETRIES))
+    assert retry_args(ds) == before  # the user's operators are shared, not changed
+    read, plain, own, actors = bounded
+    assert read["max_retries"] == STAGE_RETRIES and plain["max_retries"] == STAGE_RETRIES
+    assert own["max_retries"] == 7  # a stage that says how often to retry keeps it
+    assert actors["max_task_retries"] == STAGE_RETRIES and "max_retries" not in actors
+    assert _ids(RayDataLoader(bound_retries(ds, STAGE_RETRIES), batch_size=8)) == list(range(N))
+
+
+class _Identity:
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return batch
