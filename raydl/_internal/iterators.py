@@ -432,9 +432,11 @@ class RayDatasetIterator(_BaseIterator):
         # The thread runs a _Producer that does not refer to this iterator, so a
         # `break` that drops the iterator lets it be collected, and its __del__
         # stops the thread and Ray's executor, as torch's iterators do.
+        self._ray = _RayIteration(source)
         self._producer = _Producer(
             source,
-            source.iter_batches(
+            self._ray,
+            self._ray.iterator.iter_batches(
                 batch_size=batch_size,
                 batch_format="numpy",
                 drop_last=drop_last,
@@ -474,9 +476,68 @@ class RayDatasetIterator(_BaseIterator):
         if threading.current_thread() is not self._thread:
             # Wait for the producer to close Ray's iterator (its executor shuts down and
             # nothing touches Ray after a later ray.shutdown()). After a timeout the
-            # producer is stuck inside Ray's iterator until the stage yields: then the
-            # error must not wait for it.
+            # producer is stuck inside Ray's iterator until the stage yields: its
+            # executor is shut down from here, which cancels the stalled tasks.
+            if self._stalled:
+                self._ray.abort()
             self._thread.join(timeout=2 if self._stalled else 30)
+            if self._stalled:
+                self._ray.stop_prefetchers()
+
+
+class _RayIteration:
+    """One ``iter_batches`` of a Ray Data source, with handles on what it starts.
+
+    Ray Data 2.60 leaves two things behind when an iteration ends early: its
+    block prefetcher's thread (stopped only when the blocks run out, so every
+    ``break`` leaks one parked thread), and, when the consumer gives up on a
+    stalled stage, the executor itself (the producer thread is stuck inside it
+    and cannot close it). The :class:`~ray.data.DataIterator` is wrapped so raydl
+    sees the executor and the prefetchers it creates, and can stop both. Should
+    Ray rename those hooks, iteration still works, without the clean-up.
+    """
+
+    def __init__(self, source: Any) -> None:
+        # A Dataset makes a new DataIterator per call; a streaming_split part is one.
+        iterator = source.iterator() if hasattr(source, "iterator") else source
+        self.iterator = iterator
+        self._executor: Any = None
+        self._prefetchers: list[Any] = []
+        to_bundles = getattr(iterator, "_to_ref_bundle_iterator", None)
+        create_batches = getattr(iterator, "_create_batch_iterator", None)
+        if to_bundles is None or create_batches is None:  # pragma: no cover - Ray changed
+            return
+
+        def ref_bundles() -> Any:
+            bundles, stats, executor = to_bundles()
+            self._executor = executor  # None for a split: its executor runs in Ray's actor
+            return bundles, stats, executor
+
+        def batch_iterator(*args: Any, **kwargs: Any) -> Any:
+            batches = create_batches(*args, **kwargs)
+            prefetcher = getattr(batches, "_prefetcher", None)
+            if prefetcher is not None:
+                self._prefetchers.append(prefetcher)
+            return batches
+
+        iterator._to_ref_bundle_iterator = ref_bundles
+        iterator._create_batch_iterator = batch_iterator
+
+    def stop_prefetchers(self) -> None:
+        """Stop the block prefetchers' threads (idempotent; Ray stops them only at the end)."""
+        for prefetcher in self._prefetchers:
+            with contextlib.suppress(Exception):
+                prefetcher.stop()
+
+    def abort(self) -> None:
+        """Shut the executor down from another thread: its running tasks are cancelled
+        (``force``: their processes are killed) and its output ends, so a producer
+        stuck waiting for the next block returns."""
+        executor = self._executor
+        if executor is not None:
+            with contextlib.suppress(Exception):  # already shut down, or Ray is gone
+                executor.shutdown(force=True)
+        self.stop_prefetchers()
 
 
 class _Producer:
@@ -485,6 +546,7 @@ class _Producer:
     def __init__(
         self,
         source: Any,
+        ray_iteration: _RayIteration,
         batches: Any,
         out: queue.Queue[Any],
         stop: threading.Event,
@@ -495,6 +557,7 @@ class _Producer:
         start_next_early: bool,
     ) -> None:
         self._source = source
+        self._ray = ray_iteration
         self._batches = batches
         self._queue = out
         self._stop = stop
@@ -525,6 +588,7 @@ class _Producer:
             close = getattr(batches, "close", None)
             if close is not None:
                 close()  # shuts Ray Data's streaming executor down
+            self._ray.stop_prefetchers()
 
     def _next_epoch(self) -> None:
         start, self._start_next = self._start_next, None

@@ -39,15 +39,6 @@ pytestmark = pytest.mark.slow
 MIB = 2**20
 
 
-# Ray Data 2.60 bug, pinned: it turns this tier red once Ray fixes it.
-RAY_PREFETCHER_LEAK = pytest.mark.xfail(
-    strict=True,
-    reason="Ray Data 2.60 bug: an iteration closed before its end keeps its WaitBlockPrefetcher "
-    "thread ('Prefetcher': the thread holds the prefetcher, and stop() runs only at "
-    "exhaustion). raydl's producer threads and Ray's executors are released",
-)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _ray() -> Iterator[None]:
     """The module's 2-CPU Ray, whose raylet reports its object store every 200 ms."""
@@ -93,14 +84,23 @@ def snapshot() -> Snapshot:
     )
 
 
-def _new(before: list[str]) -> dict[str, int]:
-    """Threads (by name, ``raydl-epoch-N-producer`` by kind) running now and not in ``before``."""
+def _kinds(names: list[str]) -> Counter[str]:
+    """Thread names by kind (``raydl-epoch-N-producer`` -> ``raydl-epoch-*-producer``)."""
 
     def kind(name: str) -> str:
         return "raydl-epoch-*-producer" if name.startswith("raydl-epoch") else name.split("-")[0]
 
-    grown = Counter(kind(t) for t in raydl_threads()) - Counter(kind(t) for t in before)
-    return dict(grown)
+    return Counter(kind(name) for name in names)
+
+
+def _new(before: list[str]) -> dict[str, int]:
+    """Threads (by kind) running now and not in ``before``."""
+    return dict(_kinds(raydl_threads()) - _kinds(before))
+
+
+def _held_epoch_only(before: list[str]) -> bool:
+    """No thread more than ``before`` but, perhaps, the held epoch's executor."""
+    return _new(before) in ({}, {"StreamingExecutor": 1})
 
 
 def _median(snaps: list[Snapshot], field: str) -> float:
@@ -190,7 +190,6 @@ def test_fifty_early_breaks_of_a_map_style_loader_leak_nothing() -> None:
     assert wait_until(lambda: not live_actors()), live_actors()
 
 
-@RAY_PREFETCHER_LEAK
 @pytest.mark.timeout(120)
 def test_fifty_early_breaks_of_a_ray_data_loader_leak_nothing(leak_cleanup: None) -> None:
     loader = RayDataLoader(
@@ -205,15 +204,18 @@ def test_fifty_early_breaks_of_a_ray_data_loader_leak_nothing(leak_cleanup: None
     for _ in range(10):  # checked every 5 breaks: a leak fails fast instead of piling up
         _break_early(loader, 5)
         gc.collect()
-        assert wait_until(lambda: raydl_threads() == raydl_before, timeout=5), _new(raydl_before)
+        # By kind: the last break's epoch stays open in the loader (its state_dict() needs
+        # it) until the next iter(); its executor may have finished or not, either time.
+        # A leak grows by one set of threads per break: five per check.
+        assert wait_until(lambda: _held_epoch_only(raydl_before), timeout=5), _new(raydl_before)
     settled = wait_until(lambda: _settled(1 * MIB))
     assert settled, (busy_workers(), free_cpus(), _store_pinned() / MIB)
-    assert psutil.Process().num_threads() <= threads_before * 1.05
+    # the held epoch's executor threads, finished or not, either time; a leak: +50 or more
+    assert psutil.Process().num_threads() <= threads_before + 3
     assert live_actors() == []
     loader.close()
 
 
-@RAY_PREFETCHER_LEAK
 @pytest.mark.timeout(120)
 def test_loaders_dropped_without_close_release_their_pipelines(leak_cleanup: None) -> None:
     """``for batch in RayDataLoader(...)`` in a function called again and again."""
@@ -226,5 +228,5 @@ def test_loaders_dropped_without_close_release_their_pipelines(leak_cleanup: Non
     for _ in range(2):
         assert evaluate() == 200
     gc.collect()
-    assert wait_until(lambda: raydl_threads() == before, timeout=5), _new(before)
+    assert wait_until(lambda: not _new(before), timeout=5), _new(before)
     assert wait_until(lambda: not busy_workers()), busy_workers()
