@@ -106,7 +106,9 @@ def _reference(
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("source", ["map", "parquet"])
-@pytest.mark.parametrize(("old", "new"), [(1, 1), (2, 2), (2, 1), (1, 2)])
+# (1, 1) is left out: each case costs two to three torchrun launches, and a resume at
+# the same world size is covered by (2, 2) here and in-process by tests/integration.
+@pytest.mark.parametrize(("old", "new"), [(2, 2), (2, 1), (1, 2)])
 def test_sigkill_then_resume_delivers_each_sample_once(
     source: str,
     old: int,
