@@ -817,6 +817,7 @@ class RayDataLoader(Iterable[Any]):
         length: int | None = None,
         **hooks: Any,
     ) -> RayDatasetIterator:
+        assert self.batch_size is not None  # refused for Ray Data sources in __init__
         return RayDatasetIterator(
             source,
             local_shuffle_buffer_size=buffer,

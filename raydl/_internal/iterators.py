@@ -29,6 +29,7 @@ from typing import Any
 from torch.utils.data._utils import ExceptionWrapper
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
+from raydl._internal.batching import ray_batches
 from raydl._internal.cluster import is_connected
 from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
 from raydl._internal.metrics import EpochStats, logger
@@ -392,7 +393,7 @@ class RayDatasetIterator(_BaseIterator):
         *,
         local_shuffle_buffer_size: int | None,
         local_shuffle_seed: int | None,
-        batch_size: int | None,
+        batch_size: int,
         drop_last: bool,
         collate_fn: Callable[[Any], Any] | None,
         prefetch: int,
@@ -436,13 +437,13 @@ class RayDatasetIterator(_BaseIterator):
         self._producer = _Producer(
             source,
             self._ray,
-            self._ray.iterator.iter_batches(
+            ray_batches(
+                self._ray.iterator,
                 batch_size=batch_size,
-                batch_format="numpy",
                 drop_last=drop_last,
-                prefetch_batches=max(1, prefetch),
-                local_shuffle_buffer_size=local_shuffle_buffer_size,
-                local_shuffle_seed=local_shuffle_seed,
+                buffer=local_shuffle_buffer_size,
+                seed=local_shuffle_seed,
+                prefetch=prefetch,
             ),
             self._queue,
             self._stop,

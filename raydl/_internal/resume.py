@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from raydl._internal import elastic
+from raydl._internal.batching import ray_batches
 from raydl._internal.shuffle import rank_seed
 from raydl._internal.state import LoaderState, decode_rng
 
@@ -166,24 +167,28 @@ def _rest_of_streams(
     """Each old rank's batches after ``consumed``, as tables, rank by rank.
 
     The old ranks' splits are read concurrently (``streaming_split`` serves its
-    readers together), each with the local shuffle seed that rank used.
+    readers together), each with the local shuffle seed that rank used, and cut
+    into batches by the same code as the loader's (``batching.ray_batches``).
     """
+    from ray.data.block import BlockAccessor  # numpy batch -> Arrow, as map_batches does
+
     per_rank: list[list[pa.Table]] = [[] for _ in streams]
     errors: list[BaseException] = []
 
     def read(rank: int) -> None:
         seed = rank_seed(buffer_seed, rank) if len(streams) > 1 else buffer_seed
         try:
-            batches = streams[rank].iter_batches(
+            batches = ray_batches(
+                streams[rank],
                 batch_size=batch_size,
-                batch_format="pyarrow",
                 drop_last=drop_last,
-                local_shuffle_buffer_size=buffer,
-                local_shuffle_seed=seed,
+                buffer=buffer,
+                seed=seed,
+                prefetch=1,
             )
             for position, batch in enumerate(batches):
                 if position >= consumed:
-                    per_rank[rank].append(batch)
+                    per_rank[rank].append(BlockAccessor.batch_to_block(batch))
         except BaseException as err:
             errors.append(err)
 
