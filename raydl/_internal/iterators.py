@@ -489,14 +489,21 @@ class RayDatasetIterator(_BaseIterator):
 class _RayIteration:
     """One ``iter_batches`` of a Ray Data source, with handles on what it starts.
 
-    Ray Data 2.60 leaves two things behind when an iteration ends early: its
-    block prefetcher's thread (stopped only when the blocks run out, so every
-    ``break`` leaks one parked thread), and, when the consumer gives up on a
-    stalled stage, the executor itself (the producer thread is stuck inside it
-    and cannot close it). The :class:`~ray.data.DataIterator` is wrapped so raydl
-    sees the executor and the prefetchers it creates, and can stop both. Should
-    Ray rename those hooks, iteration still works, without the clean-up.
+    Ray Data 2.60 leaves things behind when an iteration ends early: its block
+    prefetcher's thread (stopped only when the blocks run out, so every ``break``
+    leaks one parked thread); its batch threads (``iter_threaded``), which are
+    only told to stop and may still be inside Ray a moment later, so a
+    ``ray.shutdown()`` right after ``close()`` makes Ray's core worker end the
+    process; and, when the consumer gives up on a stalled stage, the executor
+    itself (the producer thread is stuck inside it and cannot close it). The
+    :class:`~ray.data.DataIterator` is wrapped so raydl sees the executor, the
+    prefetchers and the threads the iteration starts, and can stop or wait for
+    them. Should Ray rename those hooks, iteration still works, without the
+    clean-up.
     """
+
+    #: How long the end of an iteration waits for Ray's batch threads to return.
+    THREADS_JOIN_S = 10.0
 
     def __init__(self, source: Any) -> None:
         # A Dataset makes a new DataIterator per call; a streaming_split part is one.
@@ -504,6 +511,7 @@ class _RayIteration:
         self.iterator = iterator
         self._executor: Any = None
         self._prefetchers: list[Any] = []
+        self._threads: list[threading.Thread] = []
         to_bundles = getattr(iterator, "_to_ref_bundle_iterator", None)
         create_batches = getattr(iterator, "_create_batch_iterator", None)
         if to_bundles is None or create_batches is None:  # pragma: no cover - Ray changed
@@ -515,14 +523,36 @@ class _RayIteration:
             return bundles, stats, executor
 
         def batch_iterator(*args: Any, **kwargs: Any) -> Any:
+            before = set(threading.enumerate())
             batches = create_batches(*args, **kwargs)
             prefetcher = getattr(batches, "_prefetcher", None)
             if prefetcher is not None:
                 self._prefetchers.append(prefetcher)
-            return batches
+            return self._watch_threads(batches, before)
 
         iterator._to_ref_bundle_iterator = ref_bundles
         iterator._create_batch_iterator = batch_iterator
+
+    def _watch_threads(self, batches: Any, before: set[threading.Thread]) -> Iterator[Any]:
+        """``batches``, noting the threads Ray starts for them (by the first batch).
+
+        Threads another iteration started in the same moment may be noted too:
+        they are only waited for, boundedly, never stopped.
+        """
+        iterator = iter(batches)
+        try:
+            first = next(iterator)
+        finally:
+            self._threads.extend(t for t in threading.enumerate() if t not in before)
+        yield first
+        yield from iterator
+
+    def join_threads(self) -> None:
+        """Wait (boundedly) for the threads this iteration started, once it is closed."""
+        deadline = time.monotonic() + self.THREADS_JOIN_S
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def stop_prefetchers(self) -> None:
         """Stop the block prefetchers' threads (idempotent; Ray stops them only at the end)."""
@@ -590,6 +620,7 @@ class _Producer:
             if close is not None:
                 close()  # shuts Ray Data's streaming executor down
             self._ray.stop_prefetchers()
+            self._ray.join_threads()
 
     def _next_epoch(self) -> None:
         start, self._start_next = self._start_next, None
