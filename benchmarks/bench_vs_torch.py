@@ -635,9 +635,12 @@ def tabular_contender(name: str, cfg: WorkerConfig) -> Contender:
 
     start_ray()
     import ray
+    from ray.data import FileShuffleConfig
 
     def pipeline(epoch: int) -> ray.data.Dataset:
-        return ray.data.read_parquet(files).map_batches(
+        # Ray's own file shuffle: a new file order per epoch, streaming (no barrier).
+        order = FileShuffleConfig(seed=epoch_seed(epoch, 1), reseed_after_execution=False)
+        return ray.data.read_parquet(files, shuffle=order).map_batches(
             select_block,  # type: ignore[arg-type]  # Ray's stub has no room for fn_kwargs
             batch_format="pyarrow",
             fn_kwargs={"epoch": epoch, "spam": spam},
@@ -646,8 +649,7 @@ def tabular_contender(name: str, cfg: WorkerConfig) -> Contender:
     if name == "ray":
 
         def ray_epoch(epoch: int) -> Iterable[Batch]:
-            ds = pipeline(epoch).randomize_block_order(seed=epoch_seed(epoch, 1))
-            return ds.iter_torch_batches(
+            return pipeline(epoch).iter_torch_batches(
                 batch_size=TABULAR_BATCH,
                 local_shuffle_buffer_size=SHUFFLE_BUFFER,
                 local_shuffle_seed=epoch_seed(epoch, 10),
@@ -659,7 +661,7 @@ def tabular_contender(name: str, cfg: WorkerConfig) -> Contender:
     # raydl's own reader, and the per-epoch draw as a PerEpoch pipeline: one loader for
     # the whole run, so it can start each epoch while the previous one drains.
     table = raydl.read_parquet(files)
-    mode = "global" if name == "raydl_global" else "blocks"
+    mode = "global" if name == "raydl_global" else "files"
     loader = raydl.RayDataLoader(
         raydl.PerEpoch(
             lambda epoch: table.map_batches(
@@ -725,6 +727,7 @@ def images_contender(name: str, workload: str, cfg: WorkerConfig) -> Contender:
     start_ray()
     import pyarrow.fs
     import ray
+    from ray.data import FileShuffleConfig
 
     filesystem = None
     if latency_s is not None:
@@ -738,7 +741,14 @@ def images_contender(name: str, workload: str, cfg: WorkerConfig) -> Contender:
     if name == "ray":
 
         def ray_epoch(epoch: int) -> Iterable[Batch]:
-            return ds.randomize_block_order(seed=epoch_seed(epoch, 1)).iter_torch_batches(
+            # Ray's own file shuffle (a new file order per epoch) + its local buffer.
+            shuffled = ray.data.read_binary_files(
+                paths,
+                include_paths=True,
+                filesystem=filesystem,
+                shuffle=FileShuffleConfig(seed=epoch_seed(epoch, 1), reseed_after_execution=False),
+            ).map_batches(decode_batch, batch_size=batch_size, batch_format="numpy")
+            return shuffled.iter_torch_batches(
                 batch_size=batch_size,
                 local_shuffle_buffer_size=buffer,
                 local_shuffle_seed=epoch_seed(epoch, 10),
@@ -748,7 +758,7 @@ def images_contender(name: str, workload: str, cfg: WorkerConfig) -> Contender:
     from raydl import RayDataLoader
 
     raydl_loader = RayDataLoader(
-        ds, shuffle_mode="blocks", local_shuffle_buffer_size=buffer, seed=SEED, **loader_args
+        ds, shuffle_mode="files", local_shuffle_buffer_size=buffer, seed=SEED, **loader_args
     )
     return TorchLoader(raydl_loader, before_epoch=raydl_loader.set_epoch)
 

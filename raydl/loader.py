@@ -85,9 +85,12 @@ class LoaderOptions:
             ``None``: taken from ``generator`` or drawn from torch's global RNG
             when the loader is built, so ``torch.manual_seed`` makes runs repeat.
         shuffle_mode: For ``ray.data.Dataset`` sources with ``shuffle=True``:
-            ``"global"`` (a true all-to-all shuffle each epoch) or ``"blocks"``
-            (random block order plus a local shuffle buffer; cheaper).
-        local_shuffle_buffer_size: Rows in the local buffer of ``"blocks"`` mode
+            ``"global"`` (a true all-to-all shuffle each epoch), ``"blocks"``
+            (random block order plus a local shuffle buffer; cheaper) or
+            ``"files"`` (random order of the files read plus the local buffer, as
+            torch's file-based loaders shuffle; streams from the first file, for
+            plans whose sources are reads).
+        local_shuffle_buffer_size: Rows in the local buffer of ``"blocks"``/``"files"`` mode
             (default: ``4 * batch_size``, at least 1024).
         deterministic: Run Ray Data with ``preserve_order`` so the row order is a
             pure function of (seed, epoch). ``False`` lets finished blocks overtake.

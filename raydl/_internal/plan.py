@@ -8,6 +8,10 @@ their own resources, filters). For each epoch raydl derives a new plan from it
   true all-to-all shuffle, different each epoch and reproducible;
 * ``shuffle_mode="blocks"``: ``randomize_block_order`` plus a local shuffle
   buffer while batching: cheaper, only approximately uniform;
+* ``shuffle_mode="files"``: the plan's read tasks (one per file for raydl's
+  readers) in a new random order each epoch, plus the local buffer: what torch's
+  file-based loaders do. No all-to-all stage, so the epoch streams from its
+  first read (``"blocks"`` must read everything before its first batch);
 * no shuffle: the plan as given.
 
 Every stage's Ray tasks are retried at most :data:`STAGE_RETRIES` times when
@@ -26,12 +30,14 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from raydl._internal.shuffle import epoch_seed
 
 if TYPE_CHECKING:
     import ray.data
 
-SHUFFLE_MODES = ("global", "blocks")
+SHUFFLE_MODES = ("global", "blocks", "files")
 
 #: How often a stage's task is retried after its worker process died (Ray Data: forever).
 STAGE_RETRIES = 3
@@ -75,7 +81,11 @@ def plan_epoch(
         if shuffle_mode == "global":
             ds = ds.random_shuffle(seed=epoch_seed(seed, epoch))
         else:
-            ds = ds.randomize_block_order(seed=epoch_seed(seed, epoch, _BLOCK_ORDER_STREAM))
+            order_seed = epoch_seed(seed, epoch, _BLOCK_ORDER_STREAM)
+            if shuffle_mode == "files":
+                ds = permute_reads(ds, order_seed)
+            else:
+                ds = ds.randomize_block_order(seed=order_seed)
             buffer = local_shuffle_buffer_size
             buffer_seed = epoch_seed(seed, epoch, _LOCAL_BUFFER_STREAM)
     return EpochPlan(ds, buffer, buffer_seed, all_to_all=has_all_to_all(ds))
@@ -119,6 +129,76 @@ def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:
     if dag is plan.dag:
         return dataset
     return type(dataset)._from_parent(dataset, LogicalPlan(dag, plan.context))
+
+
+class _PermutedReads:
+    """A datasource (or legacy reader) whose read tasks come in a seeded random order."""
+
+    def __init__(self, inner: Any, seed: int) -> None:
+        self._inner = inner
+        self._seed = seed
+
+    def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[Any]:
+        tasks = list(self._inner.get_read_tasks(parallelism, *args, **kwargs))
+        order = np.random.default_rng(self._seed).permutation(len(tasks))
+        return [tasks[i] for i in order]
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the inner datasource's
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["_inner"], name)
+
+
+class _FixedFileShuffle:
+    """A ``ListFiles`` shuffle-config factory: the same file order for every execution."""
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+
+    def __call__(self) -> Any:
+        from ray.data import FileShuffleConfig
+
+        return FileShuffleConfig(seed=self._seed, reseed_after_execution=False)
+
+
+def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
+    """The same plan with every read's files (or read tasks) in an order drawn from ``seed``.
+
+    Ray's file-based readers list their files in a ``ListFiles`` source whose
+    file shuffle is set to ``seed``; other reads (raydl's parquet reader, one task
+    per file, ``range``) get their read tasks permuted.
+
+    Raises:
+        ValueError: a source of the plan is not a read (``from_numpy``,
+            ``from_arrow``, a materialized dataset): it has no files to reorder.
+    """
+    from ray.data._internal.logical.interfaces import LogicalPlan
+    from ray.data._internal.logical.operators.read_operator import ListFiles, Read
+
+    plan = dataset._logical_plan
+    for source in plan.sources():
+        if not isinstance(source, (Read, ListFiles)):
+            raise ValueError(
+                f'shuffle_mode="files" reorders the files a plan reads, but a source of this '
+                f"plan, {source.name}, is not a read; use shuffle_mode='blocks' or 'global', "
+                "or read the data with raydl.read_parquet / read_images / ray.data.read_*"
+            )
+
+    def permuted(op: Any) -> Any:
+        if isinstance(op, ListFiles):
+            listing = copy.copy(op)
+            object.__setattr__(listing, "shuffle_config_factory", _FixedFileShuffle(seed))
+            return listing
+        if isinstance(op, Read):
+            read = copy.copy(op)
+            proxy = _PermutedReads(op.datasource_or_legacy_reader, seed)
+            object.__setattr__(read, "datasource_or_legacy_reader", proxy)
+            return read
+        return op
+
+    return type(dataset)._from_parent(
+        dataset, LogicalPlan(plan.dag._apply_transform(permuted), plan.context)
+    )
 
 
 def stage_names(dataset: ray.data.Dataset) -> tuple[str, ...]:

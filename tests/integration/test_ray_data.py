@@ -110,6 +110,53 @@ def test_blocks_shuffle_mode() -> None:
     assert _ids(again) == first
 
 
+@pytest.mark.timeout(90)
+def test_files_shuffle_mode_reorders_the_files_each_epoch(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for part in range(6):
+        ids = np.arange(part * 10, part * 10 + 10)
+        pq.write_table(pa.table({"id": ids}), tmp_path / f"part-{part}.parquet")
+    ds = ray.data.read_parquet(str(tmp_path), override_num_blocks=6)
+
+    def files_loader(seed: int) -> RayDataLoader:
+        return RayDataLoader(
+            ds, batch_size=5, shuffle=True, seed=seed, shuffle_mode="files",
+            local_shuffle_buffer_size=30,
+        )  # fmt: skip
+
+    def file_order(loader: RayDataLoader, epoch: int) -> list[int]:
+        plan = loader._plan(epoch)  # the epoch's plan, read without the local buffer
+        assert not plan.all_to_all  # streams: no barrier before the first batch
+        ids = [int(i) for b in plan.dataset.iter_batches(batch_size=None) for i in b["id"]]
+        assert sorted(ids) == list(range(60))
+        return [i // 10 for i in ids[::10]]
+
+    loader = files_loader(2)
+    orders = [file_order(loader, epoch) for epoch in range(3)]
+    assert all(sorted(order) == list(range(6)) for order in orders)
+    assert len({tuple(order) for order in orders}) > 1  # a new order each epoch
+    assert any(order != sorted(order) for order in orders)
+    assert file_order(files_loader(2), 1) == orders[1]  # a pure function of (seed, epoch)
+    first, second = _ids(loader), _ids(loader)
+    assert sorted(first) == sorted(second) == list(range(60))
+    assert first != second
+    assert _ids(files_loader(2)) == first
+
+
+@pytest.mark.timeout(30)
+def test_files_shuffle_mode_needs_a_read() -> None:
+    loader = RayDataLoader(
+        ray.data.from_items([{"id": i} for i in range(8)]),
+        batch_size=4,
+        shuffle=True,
+        shuffle_mode="files",
+    )
+    with pytest.raises(ValueError, match=r"FromItems.* is not a read"):
+        list(loader)
+
+
 def _collate_numpy(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     assert isinstance(batch, dict)
     assert all(isinstance(v, np.ndarray) for v in batch.values())
