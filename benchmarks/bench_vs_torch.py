@@ -734,9 +734,6 @@ def images_contender(name: str, workload: str, cfg: WorkerConfig) -> Contender:
         filesystem = pyarrow.fs.PyFileSystem(
             pyarrow.fs.FSSpecHandler(SlowLocalFileSystem(latency_s))
         )
-    ds = ray.data.read_binary_files(paths, include_paths=True, filesystem=filesystem).map_batches(
-        decode_batch, batch_size=batch_size, batch_format="numpy"
-    )
     buffer = 4 * batch_size
     if name == "ray":
 
@@ -755,9 +752,13 @@ def images_contender(name: str, workload: str, cfg: WorkerConfig) -> Contender:
             )
 
         return FnContender(ray_epoch)
-    from raydl import RayDataLoader
+    import raydl
 
-    raydl_loader = RayDataLoader(
+    # raydl's own file reader (many files per task), the same decode stage.
+    ds = raydl.read_binary_files(paths, include_paths=True, filesystem=filesystem).map_batches(
+        decode_batch, batch_size=batch_size, batch_format="numpy"
+    )
+    raydl_loader = raydl.RayDataLoader(
         ds, shuffle_mode="files", local_shuffle_buffer_size=buffer, seed=SEED, **loader_args
     )
     return TorchLoader(raydl_loader, before_epoch=raydl_loader.set_epoch)

@@ -191,8 +191,13 @@ def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
             return listing
         if isinstance(op, Read):
             read = copy.copy(op)
-            proxy = _PermutedReads(op.datasource_or_legacy_reader, seed)
-            object.__setattr__(read, "datasource_or_legacy_reader", proxy)
+            inner = op.datasource_or_legacy_reader
+            if hasattr(inner, "permuted"):  # raydl's file list: permuted per file
+                object.__setattr__(read, "datasource", inner.permuted(seed))
+                object.__setattr__(read, "datasource_or_legacy_reader", read.datasource)
+            else:
+                proxy = _PermutedReads(inner, seed)
+                object.__setattr__(read, "datasource_or_legacy_reader", proxy)
             return read
         return op
 

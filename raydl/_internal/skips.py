@@ -169,6 +169,17 @@ def _is_retried_by_ray(err: BaseException, patterns: Sequence[str]) -> bool:
     return False
 
 
+def skippable(err: BaseException, retried_patterns: Sequence[str]) -> bool:
+    """Whether ``on_bad_file="skip"`` may skip a file for ``err``.
+
+    Never: remote failures past the retry budget, memory errors, and errors Ray
+    retries (their task runs again instead).
+    """
+    if isinstance(err, _NEVER_SKIPPED):
+        return False
+    return not _is_retried_by_ray(err, retried_patterns)
+
+
 class _Unreadable:
     """Stands in for a file that could not be opened, so the per-file read can skip it."""
 
@@ -216,9 +227,7 @@ class _SkipBadFilesMixin:
         yield from blocks
 
     def _skippable(self, err: BaseException) -> bool:
-        if isinstance(err, _NEVER_SKIPPED):
-            return False
-        return not _is_retried_by_ray(err, self._data_context.retried_io_errors or ())
+        return skippable(err, self._data_context.retried_io_errors or ())
 
 
 class SkippingImageDatasource(_SkipBadFilesMixin, ImageDatasource):

@@ -311,3 +311,45 @@ def test_list_files_follows_ray_rules(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope"):
         list_files(fs, [str(tmp_path / "nope")])
     assert list_files(fs, [str(tmp_path / "nope")], ignore_missing_paths=True) == []
+
+
+@pytest.mark.timeout(180)
+def test_binary_files_are_read_many_per_task_and_shuffled_per_file(tmp_path: Path) -> None:
+    from raydl._internal import files as file_source
+
+    count = 3 * file_source.FILES_PER_TASK // 2  # more than one task's worth
+    for i in range(count):
+        (tmp_path / f"{i:05d}.bin").write_bytes(i.to_bytes(4, "little") * (i % 3 + 1))
+    ds = read_binary_files(str(tmp_path))
+    tasks = ds._logical_plan.dag.datasource.get_read_tasks(1)
+    assert 1 < len(tasks) < count  # many files per task, not one task per file
+    rows = {
+        row["path"]: row["bytes"]
+        for batch in ds.iter_batches(batch_size=None)
+        for row in _rows(batch)
+    }
+    assert len(rows) == count
+    for i in range(count):
+        assert rows[str(tmp_path / f"{i:05d}.bin")] == i.to_bytes(4, "little") * (i % 3 + 1)
+
+    loader = raydl.RayDataLoader(
+        ds, batch_size=64, shuffle=True, shuffle_mode="files", seed=1, collate_fn=lambda b: b
+    )
+    order = [
+        int(Path(p).stem) for b in loader._plan(0).dataset.iter_batches(batch_size=None)
+        for p in b["path"]
+    ]  # fmt: skip
+    assert sorted(order) == list(range(count))
+    # per file, not per task: the first task's worth of files comes from all over
+    assert max(order[: file_source.FILES_PER_TASK]) - min(order[: file_source.FILES_PER_TASK]) > (
+        count // 2
+    )
+    # an option raydl's reader does not take hands the read to Ray's, which works too
+    by_ray = read_binary_files(str(tmp_path), partitioning=None)
+    assert by_ray.count() == count
+
+
+def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"path": p, "bytes": bytes(b)} for p, b in zip(batch["path"], batch["bytes"], strict=True)
+    ]

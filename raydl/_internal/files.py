@@ -1,0 +1,129 @@
+"""A Ray Data source of whole files as bytes, many files per read task.
+
+Ray's ``read_binary_files`` spends about a millisecond of CPU per file here
+(1.8-2.4 k files/s on 2 CPUs for 28x28 JPEGs, against 6.9 k files/s for one
+plain process that reads and decodes them). raydl lists the files itself
+(``fs.list_files``: parallel for remote prefixes) and reads each task's files in
+a plain loop through the resolved pyarrow filesystem, so retries, the disk cache
+and the skip policy apply per file. The task's files become one Arrow block.
+
+Tasks hold contiguous runs of the file list in its order; ``shuffle_mode="files"``
+asks :meth:`FileListDatasource.permuted` for a copy whose files are in a seeded
+random order *before* they are cut into tasks, so the order is per file, as
+torch's file-level shuffles are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+from raydl._internal import skips
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
+
+#: Files per read task, at most (a task is also a block and a unit of retry).
+FILES_PER_TASK = 512
+
+
+class FileListDatasource(Datasource):
+    """Whole files of an already listed ``files`` list: a ``bytes`` column (and ``path``)."""
+
+    def __init__(
+        self,
+        files: Sequence[tuple[str, int | None]],
+        filesystem: pafs.FileSystem,
+        *,
+        include_paths: bool,
+        on_bad_file: str,
+    ) -> None:
+        super().__init__()
+        self._files = list(files)
+        self._filesystem = filesystem
+        self._include_paths = include_paths
+        self._on_bad_file = on_bad_file
+
+    def get_name(self) -> str:
+        return "BinaryFiles"
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        sizes = [size for _, size in self._files]
+        return None if any(size is None for size in sizes) else sum(s or 0 for s in sizes)
+
+    def permuted(self, seed: int) -> FileListDatasource:
+        """The same files in an order drawn from ``seed`` (``shuffle_mode="files"``)."""
+        order = np.random.default_rng(seed).permutation(len(self._files))
+        return FileListDatasource(
+            [self._files[i] for i in order],
+            self._filesystem,
+            include_paths=self._include_paths,
+            on_bad_file=self._on_bad_file,
+        )
+
+    def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[ReadTask]:
+        count = len(self._files)
+        if count == 0:
+            return []
+        tasks = min(count, max(parallelism, math.ceil(count / FILES_PER_TASK)))
+        bounds = np.linspace(0, count, tasks + 1).astype(int)
+        read_tasks = []
+        for start, stop in itertools.pairwise(bounds.tolist()):
+            part = self._files[start:stop]
+            sizes = [size for _, size in part]
+            metadata = BlockMetadata(
+                num_rows=len(part),
+                size_bytes=None if None in sizes else sum(s or 0 for s in sizes),
+                input_files=tuple(path for path, _ in part),
+                exec_stats=None,
+            )
+            read_tasks.append(ReadTask(_Reader(self, [p for p, _ in part]), metadata))
+        return read_tasks
+
+
+class _Reader:
+    """One read task's body (a class, not a closure: it pickles without the whole list)."""
+
+    def __init__(self, source: FileListDatasource, paths: list[str]) -> None:
+        self._filesystem = source._filesystem
+        self._include_paths = source._include_paths
+        self._skip = source._on_bad_file == "skip"
+        self._paths = paths
+
+    def __call__(self) -> Iterator[pa.Table]:
+        import ray.data
+
+        retried = ray.data.DataContext.get_current().retried_io_errors or ()
+        datas: list[bytes] = []
+        kept: list[str] = []
+        for path in self._paths:
+            try:
+                with self._filesystem.open_input_stream(path) as f:
+                    datas.append(f.read())
+            except Exception as err:
+                if not self._skip or not skips.skippable(err, retried):
+                    raise _naming(err, path) from err
+                skips.record_skip(path, err)
+                continue
+            kept.append(path)
+        columns: dict[str, Any] = {"bytes": pa.array(datas, type=pa.binary())}
+        if self._include_paths:
+            columns["path"] = pa.array(kept, type=pa.string())
+        yield pa.table(columns)
+
+
+def _naming(err: Exception, path: str) -> Exception:
+    """``err``, or one of its type whose message also names ``path``."""
+    if path in str(err):
+        return err
+    try:
+        return type(err)(f"{err} (file {path!r})")
+    except Exception:  # an exception type with another constructor
+        return err
