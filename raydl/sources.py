@@ -30,6 +30,7 @@ import contextlib
 import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
@@ -39,6 +40,7 @@ from fsspec.utils import get_protocol
 from raydl._internal import cluster
 from raydl._internal.cache import CacheConfig, CacheStats, DiskCache, as_cache_config
 from raydl._internal.fs import (
+    LISTING_THREADS,
     RemoteHandler,
     RetryPolicy,
     describe_endpoint,
@@ -48,6 +50,7 @@ from raydl._internal.fs import (
 from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import ray.data
 
 __all__ = [
@@ -253,6 +256,8 @@ def read_parquet(
     targets = [path for path, _ in files if path not in left_out]
     options = {k: v for k, v in ray_options.items() if k not in _LISTING_OPTIONS}
     options.setdefault("override_num_blocks", max(len(targets), _cluster_cpus()))
+    if options.get("schema") is None and len(targets) > 1:
+        options["schema"] = unified_parquet_schema(_footer_filesystem(fs), targets)
     try:
         with _parquet_reader_v1():
             return ray.data.read_parquet(
@@ -349,6 +354,48 @@ def _bad_parquet_files(
             f"e.g. {bad[0][0]!r}: {bad[0][1]}"
         )
     return [path for path, _ in bad]
+
+
+def unified_parquet_schema(fs: pafs.FileSystem, paths: Sequence[str]) -> pa.Schema:
+    """One schema for parquet files whose schemas drift (footers read in parallel threads).
+
+    Ray's parquet reader takes the first file's schema, so a column that only later
+    files have would be dropped without a word. Here every footer counts: types
+    widen where Arrow can (float32 + float64 -> float64), and an integer column
+    missing from some files becomes float64, so that its missing rows (nulls, NaN
+    in numpy) give every batch the same dtype.
+
+    Raises:
+        TypeError: two files disagree on a column's type in a way Arrow cannot
+            widen; the message names the column's types and both files.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def read_schema(path: str) -> pa.Schema:
+        with fs.open_input_file(path) as f:
+            return pq.read_schema(f)
+
+    with ThreadPoolExecutor(max_workers=LISTING_THREADS, thread_name_prefix="raydl-schema") as pool:
+        schemas = list(pool.map(read_schema, paths))
+    unified = schemas[0]
+    for path, schema in zip(paths[1:], schemas[1:], strict=True):
+        try:
+            unified = pa.unify_schemas([unified, schema], promote_options="permissive")
+        except (pa.ArrowTypeError, pa.ArrowInvalid) as err:
+            raise TypeError(
+                f"parquet files disagree on a column's type: {err} (between {paths[0]!r} "
+                f"and the files up to {path!r}). Cast the column when writing, read the files "
+                "separately, or pass schema= to read them all with one schema"
+            ) from err
+    everywhere = set.intersection(*(set(schema.names) for schema in schemas))
+    fields = [
+        field.with_type(pa.float64())
+        if field.name not in everywhere and pa.types.is_integer(field.type)
+        else field
+        for field in unified
+    ]
+    return pa.schema(fields, metadata=unified.metadata)
 
 
 def _footer_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:

@@ -542,6 +542,8 @@ class _RayIteration:
         iterator = iter(batches)
         try:
             first = next(iterator)
+        except StopIteration:  # an empty epoch
+            return
         finally:
             self._threads.extend(t for t in threading.enumerate() if t not in before)
         yield first
