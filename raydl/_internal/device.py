@@ -126,6 +126,7 @@ class DevicePrefetcher(Iterator[Any]):
 
     def close(self) -> None:
         """Stop the copy thread and the epoch underneath."""
+        self.__dict__.pop("loader", None)  # a closed epoch does not keep its loader alive
         self._stop.set()
         close = getattr(self._source, "close", None)
         if close is not None:

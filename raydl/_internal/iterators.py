@@ -113,6 +113,10 @@ class _BaseIterator(Iterator[Any]):
 
     def close(self) -> None:
         """Release this epoch's Ray work; further ``next()`` calls raise ``StopIteration``."""
+        # A running iterator keeps its loader alive (`for b in DataLoader(...)`); a closed
+        # one must not, or a loader dropped after its epoch lives on in a reference cycle
+        # (loader <-> iterator) with its early-started next epoch running.
+        self.__dict__.pop("loader", None)
         if not self._closed:
             self._closed = True
             if self.stats is not None:
@@ -502,8 +506,8 @@ class _RayIteration:
     clean-up.
     """
 
-    #: How long the end of an iteration waits for Ray's batch threads to return.
-    THREADS_JOIN_S = 10.0
+    #: How long an iteration closed early waits for Ray's batch threads to return.
+    THREADS_JOIN_S = 5.0
 
     def __init__(self, source: Any) -> None:
         # A Dataset makes a new DataIterator per call; a streaming_split part is one.
@@ -537,7 +541,8 @@ class _RayIteration:
         """``batches``, noting the threads Ray starts for them (by the first batch).
 
         Threads another iteration started in the same moment may be noted too:
-        they are only waited for, boundedly, never stopped.
+        they are only waited for, boundedly and only when this iteration is closed
+        early (at its natural end Ray's threads have already returned).
         """
         iterator = iter(batches)
         try:
@@ -622,7 +627,8 @@ class _Producer:
             if close is not None:
                 close()  # shuts Ray Data's streaming executor down
             self._ray.stop_prefetchers()
-            self._ray.join_threads()
+            if self._stop.is_set():  # closed early: Ray's threads may still be inside Ray
+                self._ray.join_threads()
 
     def _next_epoch(self) -> None:
         start, self._start_next = self._start_next, None
