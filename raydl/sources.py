@@ -366,6 +366,7 @@ def unified_parquet_schema(fs: pafs.FileSystem, paths: Sequence[str]) -> pa.Sche
     in numpy) give every batch the same dtype.
 
     Raises:
+        ValueError: a file's footer cannot be read (the message names it).
         TypeError: two files disagree on a column's type in a way Arrow cannot
             widen; the message names the column's types and both files.
     """
@@ -373,8 +374,16 @@ def unified_parquet_schema(fs: pafs.FileSystem, paths: Sequence[str]) -> pa.Sche
     import pyarrow.parquet as pq
 
     def read_schema(path: str) -> pa.Schema:
-        with fs.open_input_file(path) as f:
-            return pq.read_schema(f)
+        try:
+            with fs.open_input_file(path) as f:
+                return pq.read_schema(f)
+        except (FileNotFoundError, PermissionError, RemoteReadError, MemoryError):
+            raise
+        except Exception as err:
+            raise ValueError(
+                f"parquet file {path!r} cannot be read: {type(err).__name__}: {err}. Replace "
+                "or delete it, or pass on_bad_file='skip' to read the other files without it"
+            ) from err
 
     with ThreadPoolExecutor(max_workers=LISTING_THREADS, thread_name_prefix="raydl-schema") as pool:
         schemas = list(pool.map(read_schema, paths))
