@@ -606,6 +606,8 @@ class _Producer:
         self.summary: str | None = None  # Ray Data's per-stage summary, once exhausted
 
     def run(self) -> None:
+        if self._stop.is_set():  # discarded before it began: start no Ray execution
+            return
         batches = iter(self._batches)
         try:
             for position, batch in enumerate(batches):

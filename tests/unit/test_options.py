@@ -65,7 +65,9 @@ def test_negative_seed() -> None:
 def test_bad_shuffle_mode(mode: Any) -> None:
     with pytest.raises(
         ValueError,
-        match=re.escape(f"shuffle_mode option should be one of ('global', 'blocks', 'files'), got {mode!r}"),
+        match=re.escape(
+            f"shuffle_mode option should be one of ('global', 'blocks', 'files'), got {mode!r}"
+        ),
     ):
         LoaderOptions(shuffle_mode=mode)
 
