@@ -95,7 +95,7 @@ def main() -> None:
     if rank == 0:
         print(f"world={world} batches/epoch={len(loader)} first batch: {first_size} samples")
 
-    record = open(args.record + f".rank{rank}", "w") if args.record else None
+    record = open(args.record + f".rank{rank}", "w") if args.record else None  # noqa: SIM115
     for epoch in range(args.epochs):
         if args.source == "map":
             loader.sampler.set_epoch(epoch)

@@ -6,6 +6,8 @@ import contextlib
 import gc
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 
 import ray
@@ -31,8 +33,23 @@ def private_ray(num_cpus: int = 2) -> Iterator[None]:
         finally:
             gc.collect()  # loaders the tests dropped close their pipelines while Ray is up
             discard_early_epochs()
+            lingering = _ray_data_executors(wait_s=20.0)
             ray.shutdown()
             if saved is None:
                 os.environ.pop("RAY_TMPDIR", None)
             else:
                 os.environ["RAY_TMPDIR"] = saved
+    # After the cluster is gone: a pipeline still running at the end of a
+    # module is a leak (a loader left open, or a close() that did not stop Ray
+    # Data's executor); its thread would call a Ray that no longer exists.
+    assert not lingering, f"Ray Data executions still running at the end of the module: {lingering}"
+
+
+def _ray_data_executors(wait_s: float) -> list[str]:
+    """Names of Ray Data executor threads still alive after up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("StreamingExecutor")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)

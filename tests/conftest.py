@@ -21,4 +21,20 @@ def _extend_pythonpath() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([*[p for p in _PATHS if p not in current], *current])
 
 
+def _no_implicit_ray_init() -> None:
+    """A Ray call after ``ray.shutdown()`` raises instead of starting a new Ray.
+
+    Ray's ``ray.get``/``ray.put``/... start a local instance when none is up.
+    A background thread of a pipeline that outlived its module's cluster would
+    start one in the middle of the next module's setup, and Ray's core worker
+    then ends the whole pytest process (exit 1, no summary). Only this process
+    is affected: the examples and torchrun trainers the tests start keep Ray's
+    default. raydl itself always starts Ray explicitly.
+    """
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
 _extend_pythonpath()
+_no_implicit_ray_init()

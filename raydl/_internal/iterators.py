@@ -508,6 +508,8 @@ class _RayIteration:
 
     #: How long an iteration closed early waits for Ray's batch threads to return.
     THREADS_JOIN_S = 5.0
+    #: How long a closed iteration waits for Ray's executor thread to end.
+    EXECUTOR_JOIN_S = 15.0
 
     def __init__(self, source: Any) -> None:
         # A Dataset makes a new DataIterator per call; a streaming_split part is one.
@@ -560,6 +562,20 @@ class _RayIteration:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def join_executor(self) -> None:
+        """Wait (boundedly) for the executor's scheduling thread, once it was shut down.
+
+        Ray Data's ``StreamingExecutor.shutdown`` waits only 2 s for its
+        scheduling loop; a step that takes longer (an actor pool starting on a
+        busy machine) goes on calling Ray afterwards, and after a
+        ``ray.shutdown()`` such a call starts a new Ray instance in the middle of
+        its teardown, which ends the process.
+        """
+        executor = self._executor
+        if isinstance(executor, threading.Thread) and executor is not threading.current_thread():
+            with contextlib.suppress(RuntimeError):  # never started
+                executor.join(timeout=self.EXECUTOR_JOIN_S)
 
     def stop_prefetchers(self) -> None:
         """Stop the block prefetchers' threads (idempotent; Ray stops them only at the end)."""
@@ -630,6 +646,7 @@ class _Producer:
                 close()  # shuts Ray Data's streaming executor down
             self._ray.stop_prefetchers()
             if self._stop.is_set():  # closed early: Ray's threads may still be inside Ray
+                self._ray.join_executor()
                 self._ray.join_threads()
 
     def _next_epoch(self) -> None:
