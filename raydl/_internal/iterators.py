@@ -526,6 +526,7 @@ class _RayIteration:
         def ref_bundles() -> Any:
             bundles, stats, executor = to_bundles()
             self._executor = executor  # None for a split: its executor runs in Ray's actor
+            _refresh_limits_promptly(executor)
             return bundles, stats, executor
 
         def batch_iterator(*args: Any, **kwargs: Any) -> Any:
@@ -592,6 +593,26 @@ class _RayIteration:
             with contextlib.suppress(Exception):  # already shut down, or Ray is gone
                 executor.shutdown(force=True)
         self.stop_prefetchers()
+
+
+#: How often an epoch's executor re-reads the resources Ray Data lets it use (Ray: 1 s).
+LIMITS_REFRESH_S = 0.05
+
+
+def _refresh_limits_promptly(executor: Any) -> None:
+    """Let a new execution learn its resources within ``LIMITS_REFRESH_S``, not 1 s.
+
+    Ray Data 2.60's executor asks the cluster's autoscaling coordinator for its
+    share of resources asynchronously, so its first answer is "none", and it asks
+    again only a second later; until then each stage runs one task at a time.
+    raydl starts an execution per epoch and an epoch often lasts about a second:
+    on 2 CPUs the tabular benchmark's epochs ran 1.3-2x faster with this. The
+    executor's thread reads the interval at each step, so setting it after the
+    start takes effect at the next refresh.
+    """
+    manager = getattr(executor, "_resource_manager", None)
+    if manager is not None and hasattr(manager, "GLOBAL_LIMITS_UPDATE_INTERVAL_S"):
+        manager.GLOBAL_LIMITS_UPDATE_INTERVAL_S = LIMITS_REFRESH_S
 
 
 class _Producer:

@@ -353,3 +353,16 @@ def test_epoch_plans_bound_task_retries_and_keep_the_users_stages() -> None:
 class _Identity:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         return batch
+
+
+@pytest.mark.timeout(60)
+def test_an_epochs_executor_refreshes_its_resource_limits_promptly() -> None:
+    """The hook on Ray Data's executor is in place (a Ray upgrade that renames it fails here)."""
+    from raydl._internal.iterators import LIMITS_REFRESH_S, _RayIteration
+
+    iteration = _RayIteration(ray.data.range(N, override_num_blocks=2))
+    batches = iteration.iterator.iter_batches(batch_size=None)
+    assert sum(len(b["id"]) for b in batches) == N
+    manager = iteration._executor._resource_manager
+    assert manager.GLOBAL_LIMITS_UPDATE_INTERVAL_S == LIMITS_REFRESH_S
+    assert type(manager).GLOBAL_LIMITS_UPDATE_INTERVAL_S == 1  # Ray's default, left alone
