@@ -176,7 +176,7 @@ def main() -> None:
                 opt.step()
                 seen += len(batch["clicked"])
                 positives += float(batch["clicked"].sum())
-                loss_sum += float(loss) * len(batch["clicked"])
+                loss_sum += loss.item() * len(batch["clicked"])
             took = time.perf_counter() - start
             print(
                 f"epoch {epoch}: {seen} rows after filter+downsampling "
