@@ -606,7 +606,7 @@ def _refresh_limits_promptly(executor: Any) -> None:
     share of resources asynchronously, so its first answer is "none", and it asks
     again only a second later; until then each stage runs one task at a time.
     raydl starts an execution per epoch and an epoch often lasts about a second:
-    on 2 CPUs the tabular benchmark's epochs ran 1.3-2x faster with this. The
+    on 2 CPUs the tabular benchmark's epochs ran about 1.3-1.5x faster with this. The
     executor's thread reads the interval at each step, so setting it after the
     start takes effect at the next refresh.
     """
