@@ -111,17 +111,15 @@ def ray_batches(
     drop_last: bool,
     buffer: int | None,
     seed: int | None,
-    prefetch: int,
 ) -> Iterator[Batch]:
     """``source``'s numpy batches (a ``Dataset``, ``DataIterator`` or split), cut by raydl.
 
     Closing the returned generator closes Ray's iteration (its executor shuts down).
-    ``prefetch`` is the depth of the caller's queue of batches; Ray is asked to look
-    one block ahead only: with whole blocks it holds a block back until the next
+    The caller's queue of batches does the prefetching; Ray is asked to look one
+    block ahead only: with whole blocks it holds a block back until the next
     ``prefetch_batches`` blocks are ready, so a slow block would delay batches that
     are ready before it.
     """
-    del prefetch  # the caller's queue does the batch prefetching
     blocks = iter(source.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1))
     try:
         if buffer:

@@ -447,7 +447,6 @@ class RayDatasetIterator(_BaseIterator):
                 drop_last=drop_last,
                 buffer=local_shuffle_buffer_size,
                 seed=local_shuffle_seed,
-                prefetch=prefetch,
             ),
             self._queue,
             self._stop,

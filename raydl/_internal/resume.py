@@ -184,7 +184,6 @@ def _rest_of_streams(
                 drop_last=drop_last,
                 buffer=buffer,
                 seed=seed,
-                prefetch=1,
             )
             for position, batch in enumerate(batches):
                 if position >= consumed:
