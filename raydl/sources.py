@@ -275,10 +275,15 @@ def read_parquet(
         if not bad:
             raise
         path, reason = bad[0]
-        raise ValueError(
-            f"parquet file {path!r} cannot be read: {reason}. Replace or delete it, or pass "
-            "on_bad_file='skip' to read the other files without it"
-        ) from err
+        raise _unreadable_parquet(path, reason) from err
+
+
+def _unreadable_parquet(path: str, reason: str) -> ValueError:
+    """The error for a parquet file whose footer cannot be read."""
+    return ValueError(
+        f"parquet file {path!r} cannot be read: {reason}. Replace or delete it, or pass "
+        "on_bad_file='skip' to read the other files without it"
+    )
 
 
 # Options raydl's own listing (above) applies before Ray sees the file list.
@@ -380,10 +385,7 @@ def unified_parquet_schema(fs: pafs.FileSystem, paths: Sequence[str]) -> pa.Sche
         except (FileNotFoundError, PermissionError, RemoteReadError, MemoryError):
             raise
         except Exception as err:
-            raise ValueError(
-                f"parquet file {path!r} cannot be read: {type(err).__name__}: {err}. Replace "
-                "or delete it, or pass on_bad_file='skip' to read the other files without it"
-            ) from err
+            raise _unreadable_parquet(path, f"{type(err).__name__}: {err}") from err
 
     with ThreadPoolExecutor(max_workers=LISTING_THREADS, thread_name_prefix="raydl-schema") as pool:
         schemas = list(pool.map(read_schema, paths))
