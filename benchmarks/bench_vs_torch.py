@@ -1073,6 +1073,15 @@ def main_parent(args: argparse.Namespace) -> int:
     if args.scale != 1.0:
         sizes = sizes.scaled(args.scale)
         mode += f" (scale {args.scale})"
+    try:
+        import matplotlib  # noqa: F401  # the chart is drawn last: fail before the runs
+    except ImportError:
+        print(
+            "bench_vs_torch.py draws results.png with matplotlib, which is not installed: "
+            "python -m pip install -e '.[bench]'",
+            file=sys.stderr,
+        )
+        return 2
     info = versions()
     print(f"command: {command}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in info.items()))

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import ray.data
 
+    from raydl._internal.parquet import Footer
+
 __all__ = [
     "CacheConfig",
     "CacheStats",
@@ -255,6 +257,24 @@ def read_parquet(
     left_out = {os.fspath(p) for p in user_skips + _bad_parquet_files(policy, fs, files)}
     targets = [path for path, _ in files if path not in left_out]
     options = {k: v for k, v in ray_options.items() if k not in _LISTING_OPTIONS}
+    if targets and set(options) <= _PARQUET_RUN_OPTIONS:
+        # raydl's own reader: several files per task, cut after the epoch's file order.
+        from raydl._internal.parquet import ParquetFilesDatasource, read_tasks_for
+
+        footers = parquet_footers(_footer_filesystem(fs), targets)
+        schema = options.pop("schema", None) or unify_parquet_schemas(
+            targets, [footer.schema for footer in footers]
+        )
+        source = ParquetFilesDatasource(
+            targets,
+            footers,
+            fs,
+            schema=schema,
+            columns=list(columns) if columns is not None else None,
+            include_paths=include_paths,
+        )
+        options.setdefault("override_num_blocks", read_tasks_for(footers, _cluster_cpus()))
+        return ray.data.read_datasource(source, **options)
     options.setdefault("override_num_blocks", max(len(targets), _cluster_cpus()))
     if options.get("schema") is None and len(targets) > 1:
         options["schema"] = unified_parquet_schema(_footer_filesystem(fs), targets)
@@ -288,6 +308,11 @@ def _unreadable_parquet(path: str, reason: str) -> ValueError:
 
 # Options raydl's own listing (above) applies before Ray sees the file list.
 _LISTING_OPTIONS = frozenset({"file_extensions", "ignore_missing_paths", "partition_filter"})
+# What raydl's parquet reader takes; other options (filter, partitioning, Ray's own
+# shuffle, ...) go to Ray's V1 parquet reader.
+_PARQUET_RUN_OPTIONS = frozenset(
+    {"override_num_blocks", "concurrency", "num_cpus", "memory", "ray_remote_args", "schema"}
+)
 # What raydl's file-list reader takes: its listing's and read_datasource's. Other
 # options (partitioning, Ray's own shuffle, ...) go to Ray's reader.
 _FILE_LIST_OPTIONS = _LISTING_OPTIONS | {
@@ -364,6 +389,49 @@ def _bad_parquet_files(
 def unified_parquet_schema(fs: pafs.FileSystem, paths: Sequence[str]) -> pa.Schema:
     """One schema for parquet files whose schemas drift (footers read in parallel threads).
 
+    See :func:`unify_parquet_schemas`.
+
+    Raises:
+        ValueError: a file's footer cannot be read (the message names it).
+        TypeError: two files disagree on a column's type (see ``unify_parquet_schemas``).
+    """
+    return unify_parquet_schemas(paths, [footer.schema for footer in parquet_footers(fs, paths)])
+
+
+def parquet_footers(fs: pafs.FileSystem, paths: Sequence[str]) -> list[Footer]:
+    """Every file's footer figures (schema, rows, uncompressed bytes), read in parallel threads.
+
+    Raises:
+        ValueError: a file's footer cannot be read (the message names it).
+    """
+    import pyarrow.parquet as pq
+
+    from raydl._internal.parquet import Footer
+
+    def read_footer(path: str) -> Footer:
+        try:
+            with fs.open_input_file(path) as f:
+                metadata = pq.read_metadata(f)
+                return Footer(
+                    schema=metadata.schema.to_arrow_schema(),
+                    num_rows=metadata.num_rows,
+                    num_bytes=sum(
+                        metadata.row_group(i).total_byte_size
+                        for i in range(metadata.num_row_groups)
+                    ),
+                )
+        except (FileNotFoundError, PermissionError, RemoteReadError, MemoryError):
+            raise
+        except Exception as err:
+            raise _unreadable_parquet(path, f"{type(err).__name__}: {err}") from err
+
+    with ThreadPoolExecutor(max_workers=LISTING_THREADS, thread_name_prefix="raydl-schema") as pool:
+        return list(pool.map(read_footer, paths))
+
+
+def unify_parquet_schemas(paths: Sequence[str], schemas: Sequence[pa.Schema]) -> pa.Schema:
+    """One schema for the files ``paths`` whose footers gave ``schemas``.
+
     Ray's parquet reader takes the first file's schema, so a column that only later
     files have would be dropped without a word. Here every footer counts: types
     widen where Arrow can (float32 + float64 -> float64), and an integer column
@@ -371,24 +439,11 @@ def unified_parquet_schema(fs: pafs.FileSystem, paths: Sequence[str]) -> pa.Sche
     in numpy) give every batch the same dtype.
 
     Raises:
-        ValueError: a file's footer cannot be read (the message names it).
         TypeError: two files disagree on a column's type in a way Arrow cannot
             widen; the message names the column's types and both files.
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    def read_schema(path: str) -> pa.Schema:
-        try:
-            with fs.open_input_file(path) as f:
-                return pq.read_schema(f)
-        except (FileNotFoundError, PermissionError, RemoteReadError, MemoryError):
-            raise
-        except Exception as err:
-            raise _unreadable_parquet(path, f"{type(err).__name__}: {err}") from err
-
-    with ThreadPoolExecutor(max_workers=LISTING_THREADS, thread_name_prefix="raydl-schema") as pool:
-        schemas = list(pool.map(read_schema, paths))
     unified = schemas[0]
     for path, schema in zip(paths[1:], schemas[1:], strict=True):
         try:

@@ -7,18 +7,20 @@ plain process that reads and decodes them). raydl lists the files itself
 a plain loop through the resolved pyarrow filesystem, so retries, the disk cache
 and the skip policy apply per file. The task's files become one Arrow block.
 
-Tasks hold contiguous runs of the file list in its order; ``shuffle_mode="files"``
-asks :meth:`FileListDatasource.permuted` for a copy whose files are in a seeded
-random order *before* they are cut into tasks, so the order is per file, as
-torch's file-level shuffles are.
+Tasks hold contiguous runs of the file list in its order (:class:`FileRunsDatasource`,
+shared with the parquet source); ``shuffle_mode="files"`` asks
+:meth:`FileRunsDatasource.permuted` for a copy whose files are in a seeded random
+order *before* they are cut into tasks, so the order is per file, as torch's
+file-level shuffles are.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +36,52 @@ if TYPE_CHECKING:
 FILES_PER_TASK = 512
 
 
-class FileListDatasource(Datasource):
+class FileRunsDatasource(Datasource):
+    """Already listed ``files`` cut into contiguous runs, one read task (and retry unit) per run.
+
+    Subclasses say how a run is read (:meth:`_reader`) and what it holds
+    (:meth:`_run_metadata`); :meth:`permuted` reorders the files before they are cut.
+    """
+
+    #: Files per read task, at most.
+    max_files_per_task = FILES_PER_TASK
+
+    def __init__(self, files: Sequence[tuple[str, int | None]]) -> None:
+        super().__init__()
+        self._files = list(files)
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        sizes = [size for _, size in self._files]
+        return None if any(size is None for size in sizes) else sum(s or 0 for s in sizes)
+
+    def permuted(self, seed: int) -> Self:
+        """The same files in an order drawn from ``seed`` (``shuffle_mode="files"``)."""
+        order = np.random.default_rng(seed).permutation(len(self._files))
+        clone = copy.copy(self)
+        clone._files = [self._files[i] for i in order]
+        return clone
+
+    def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[ReadTask]:
+        count = len(self._files)
+        if count == 0:
+            return []
+        tasks = min(count, max(parallelism, math.ceil(count / self.max_files_per_task)))
+        bounds = np.linspace(0, count, tasks + 1).astype(int)
+        read_tasks = []
+        for start, stop in itertools.pairwise(bounds.tolist()):
+            part = self._files[start:stop]
+            paths = [path for path, _ in part]
+            read_tasks.append(ReadTask(self._reader(paths), self._run_metadata(part)))
+        return read_tasks
+
+    def _reader(self, paths: list[str]) -> Callable[[], Iterator[pa.Table]]:
+        raise NotImplementedError
+
+    def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
+        raise NotImplementedError
+
+
+class FileListDatasource(FileRunsDatasource):
     """Whole files of an already listed ``files`` list: a ``bytes`` column (and ``path``)."""
 
     def __init__(
@@ -45,8 +92,7 @@ class FileListDatasource(Datasource):
         include_paths: bool,
         on_bad_file: str,
     ) -> None:
-        super().__init__()
-        self._files = list(files)
+        super().__init__(files)
         self._filesystem = filesystem
         self._include_paths = include_paths
         self._on_bad_file = on_bad_file
@@ -54,38 +100,17 @@ class FileListDatasource(Datasource):
     def get_name(self) -> str:
         return "BinaryFiles"
 
-    def estimate_inmemory_data_size(self) -> int | None:
-        sizes = [size for _, size in self._files]
-        return None if any(size is None for size in sizes) else sum(s or 0 for s in sizes)
+    def _reader(self, paths: list[str]) -> Callable[[], Iterator[pa.Table]]:
+        return _Reader(self, paths)
 
-    def permuted(self, seed: int) -> FileListDatasource:
-        """The same files in an order drawn from ``seed`` (``shuffle_mode="files"``)."""
-        order = np.random.default_rng(seed).permutation(len(self._files))
-        return FileListDatasource(
-            [self._files[i] for i in order],
-            self._filesystem,
-            include_paths=self._include_paths,
-            on_bad_file=self._on_bad_file,
+    def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
+        sizes = [size for _, size in part]
+        return BlockMetadata(
+            num_rows=len(part),
+            size_bytes=None if None in sizes else sum(s or 0 for s in sizes),
+            input_files=tuple(path for path, _ in part),
+            exec_stats=None,
         )
-
-    def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[ReadTask]:
-        count = len(self._files)
-        if count == 0:
-            return []
-        tasks = min(count, max(parallelism, math.ceil(count / FILES_PER_TASK)))
-        bounds = np.linspace(0, count, tasks + 1).astype(int)
-        read_tasks = []
-        for start, stop in itertools.pairwise(bounds.tolist()):
-            part = self._files[start:stop]
-            sizes = [size for _, size in part]
-            metadata = BlockMetadata(
-                num_rows=len(part),
-                size_bytes=None if None in sizes else sum(s or 0 for s in sizes),
-                input_files=tuple(path for path, _ in part),
-                exec_stats=None,
-            )
-            read_tasks.append(ReadTask(_Reader(self, [p for p, _ in part]), metadata))
-        return read_tasks
 
 
 class _Reader:
@@ -109,7 +134,7 @@ class _Reader:
                     datas.append(f.read())
             except Exception as err:
                 if not self._skip or not skips.skippable(err, retried):
-                    raise _naming(err, path) from err
+                    raise naming(err, path) from err
                 skips.record_skip(path, err)
                 continue
             kept.append(path)
@@ -119,7 +144,7 @@ class _Reader:
         yield pa.table(columns)
 
 
-def _naming(err: Exception, path: str) -> Exception:
+def naming(err: Exception, path: str) -> Exception:
     """``err``, or one of its type whose message also names ``path``."""
     if path in str(err):
         return err

@@ -165,8 +165,9 @@ def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
     """The same plan with every read's files (or read tasks) in an order drawn from ``seed``.
 
     Ray's file-based readers list their files in a ``ListFiles`` source whose
-    file shuffle is set to ``seed``; other reads (raydl's parquet reader, one task
-    per file, ``range``) get their read tasks permuted.
+    file shuffle is set to ``seed``; raydl's file readers (binary files, parquet)
+    permute their files before cutting them into tasks; other reads (Ray's V1
+    parquet reader, ``range``) get their read tasks permuted.
 
     Raises:
         ValueError: a source of the plan is not a read (``from_numpy``,
@@ -192,7 +193,7 @@ def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
         if isinstance(op, Read):
             read = copy.copy(op)
             inner = op.datasource_or_legacy_reader
-            if hasattr(inner, "permuted"):  # raydl's file list: permuted per file
+            if hasattr(inner, "permuted"):  # raydl's file readers: permuted per file
                 object.__setattr__(read, "datasource", inner.permuted(seed))
                 object.__setattr__(read, "datasource_or_legacy_reader", read.datasource)
             else:

@@ -349,6 +349,53 @@ def test_binary_files_are_read_many_per_task_and_shuffled_per_file(tmp_path: Pat
     assert by_ray.count() == count
 
 
+@pytest.mark.timeout(180)
+def test_parquet_files_are_read_several_per_task_and_shuffled_per_file(tmp_path: Path) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    count = 24
+    for i in range(count):
+        table = pa.table({"id": np.arange(i * 10, i * 10 + 10), "x": np.full(10, float(i))})
+        if i % 2:
+            table = table.append_column("only_odd", pa.array(np.arange(10, dtype=np.int32)))
+        pq.write_table(table, tmp_path / f"{i:03d}.parquet", row_group_size=4)
+    ds = raydl.read_parquet(str(tmp_path), include_paths=True)
+    source = ds._logical_plan.dag.datasource
+    tasks = source.get_read_tasks(3)
+    assert len(tasks) == 3  # several files per task, not one task per file
+    assert sum(task.metadata.num_rows for task in tasks) == count * 10
+    assert ds.count() == count * 10  # from the footers, without reading the rows
+    batches = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    assert all(b.schema.names == ["id", "x", "only_odd", "path"] for b in batches)
+    assert all(b.schema.field("only_odd").type == pa.float64() for b in batches)
+    table = pa.concat_tables(batches)
+    assert table.column("id").to_pylist() == list(range(count * 10))  # in file order
+    assert table.column("path").to_pylist() == [
+        str(tmp_path / f"{i:03d}.parquet") for i in range(count) for _ in range(10)
+    ]
+    nulls = table.column("only_odd").is_null().to_pylist()
+    assert nulls == [i % 2 == 0 for i in range(count) for _ in range(10)]
+
+    loader = raydl.RayDataLoader(ds, batch_size=10, shuffle=True, shuffle_mode="files", seed=1)
+    plan = loader._plan(0).dataset
+    order = [int(i) // 10 for b in plan.iter_batches(batch_size=None) for i in b["id"][::10]]
+    assert sorted(order) == list(range(count))
+    first_task = order[: count // len(tasks)]
+    assert first_task != sorted(first_task) or max(first_task) - min(first_task) >= count // 2
+
+    only = raydl.read_parquet(str(tmp_path), columns=["x"])
+    assert list(only.take_batch(5).keys()) == ["x"]
+    with pytest.raises(ValueError, match=r"'nope'.* in none of the parquet files"):
+        raydl.read_parquet(str(tmp_path), columns=["x", "nope"])
+    # an option raydl's reader does not take hands the read to Ray's V1 reader
+    import pyarrow.dataset as pads
+
+    by_ray = raydl.read_parquet(str(tmp_path), filter=pads.field("id") < 15)
+    assert sorted(by_ray.to_pandas()["id"]) == list(range(15))
+
+
 def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {"path": p, "bytes": bytes(b)} for p, b in zip(batch["path"], batch["bytes"], strict=True)
