@@ -75,6 +75,7 @@ def plan_epoch(
     ds.context.raise_original_map_exception = True
     ds.context.enable_progress_bars = False
     ds = bound_retries(ds, STAGE_RETRIES)
+    ds = exact_reads(ds)
     buffer = None
     buffer_seed = None
     if shuffle:
@@ -126,6 +127,50 @@ def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:
 
     plan = dataset._logical_plan
     dag = plan.dag._apply_transform(bounded)
+    if dag is plan.dag:
+        return dataset
+    return type(dataset)._from_parent(dataset, LogicalPlan(dag, plan.context))
+
+
+def exact_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
+    """The same plan with raydl's file reads declared row-preserving, so Ray fuses them.
+
+    Ray does not fuse a read into a following ``map_batches(batch_size=...)``
+    because a read "could modify the number of rows" (its generic assumption): the
+    stage then runs as tasks of its own, with its own share of the CPU budget and
+    an object-store hop in between (measured on the images benchmark: 4.4-4.8 k
+    images/s unfused, 6.2-6.9 k fused). raydl's file sources know their row counts
+    exactly (a row per file; the parquet footers' counts), so their reads are
+    marked row-preserving: Ray fuses them and bundles read tasks up to the stage's
+    ``batch_size``. Plans with a ``limit`` are left as they are: Ray's limit
+    push-down walks up through row-preserving operators and fails at a read, which
+    has no input.
+    """
+    try:
+        from ray.data._internal.logical.interfaces import LogicalPlan
+        from ray.data._internal.logical.operators.read_operator import Read
+    except ImportError:  # pragma: no cover - Ray moved its internals: reads stay unfused
+        return dataset
+
+    from raydl._internal.files import FileRunsDatasource
+
+    plan = dataset._logical_plan
+    if any(type(op).__name__ == "Limit" for op in plan.dag.post_order_iter()):
+        return dataset
+
+    def exact(op: Any) -> Any:
+        given: Any = op
+        if not (
+            isinstance(op, Read)
+            and isinstance(getattr(given, "datasource", None), FileRunsDatasource)
+            and getattr(given, "can_modify_num_rows", False)
+        ):
+            return op
+        read = copy.copy(op)
+        object.__setattr__(read, "can_modify_num_rows", False)
+        return read
+
+    dag = plan.dag._apply_transform(exact)
     if dag is plan.dag:
         return dataset
     return type(dataset)._from_parent(dataset, LogicalPlan(dag, plan.context))

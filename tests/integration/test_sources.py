@@ -344,6 +344,14 @@ def test_binary_files_are_read_many_per_task_and_shuffled_per_file(tmp_path: Pat
     assert max(order[: file_source.FILES_PER_TASK]) - min(order[: file_source.FILES_PER_TASK]) > (
         count // 2
     )
+    # the epoch plan fuses the read into a stage with a batch size (a row per file is exact)
+    staged = ds.map_batches(lambda b: b, batch_size=64)
+    epoch_plan = raydl.RayDataLoader(staged, batch_size=64)._plan(0).dataset
+    assert sum(len(b["path"]) for b in epoch_plan.iter_batches(batch_size=None)) == count
+    assert "ReadBinaryFiles->MapBatches(<lambda>)" in epoch_plan.stats()
+    assert staged.take_batch(3)["path"].size == 3  # the user's plan is untouched (limit works)
+    limited = raydl.RayDataLoader(staged.limit(70), batch_size=64, collate_fn=lambda b: b)
+    assert [len(b["path"]) for b in limited] == [64, 6]
     # an option raydl's reader does not take hands the read to Ray's, which works too
     by_ray = read_binary_files(str(tmp_path), partitioning=None)
     assert by_ray.count() == count
