@@ -50,6 +50,7 @@ import multiprocessing
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -391,6 +392,13 @@ def _digit_image(rng: np.random.Generator, digit: int, size: int, rgb: bool) -> 
     return Image.fromarray((np.asarray(gray)[..., None] * tint).astype(np.uint8), "RGB")
 
 
+def fresh_folder(path: Path) -> Path:
+    """An empty folder at ``path``: files of an earlier generation must not count as samples."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
 def generate(root: Path, sizes: Sizes, workloads: Sequence[str]) -> dict[str, Any]:
     """Write the workloads' files under ``root`` (reused if the manifest matches)."""
     manifest = root / "manifest.json"
@@ -401,8 +409,7 @@ def generate(root: Path, sizes: Sizes, workloads: Sequence[str]) -> dict[str, An
     rng = np.random.default_rng(SEED)
     root.mkdir(parents=True, exist_ok=True)
     if "tabular" in workloads:
-        out = root / "tabular"
-        out.mkdir(exist_ok=True)
+        out = fresh_folder(root / "tabular")
         spam = np.zeros(sizes.users, dtype=bool)
         spam[rng.choice(sizes.users, int(sizes.users * SPAM_USER_RATE), replace=False)] = True
         np.save(root / "spam_users.npy", spam)
@@ -425,14 +432,12 @@ def generate(root: Path, sizes: Sizes, workloads: Sequence[str]) -> dict[str, An
         ("images_rgb224", sizes.images_rgb224, 224, True),
     ):
         if count and (name in workloads or (name == "images" and "images_latency" in workloads)):
-            out = root / name
-            out.mkdir(exist_ok=True)
+            out = fresh_folder(root / name)
             for i in range(count):
                 digit = int(rng.integers(10))
                 _digit_image(rng, digit, size, rgb).save(out / f"{i:07d}_{digit}.jpg", quality=90)
     if "mapstyle_decode" in workloads:
-        blobs = root / "decode_blobs"
-        blobs.mkdir(exist_ok=True)
+        blobs = fresh_folder(root / "decode_blobs")
         for i in range(64):
             buf = io.BytesIO()
             _digit_image(rng, i % 10, 224, True).save(buf, format="JPEG", quality=90)
