@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
 #: Uncompressed bytes a read task aims at (row-group sizes from the footers).
-TASK_BYTES = 64 << 20
+TASK_BYTES = 32 << 20
 #: Uncompressed bytes read from a file at once (whole row groups).
 CHUNK_BYTES = 32 << 20
 

@@ -23,7 +23,7 @@ def _footers(sizes_mib: list[int]) -> list[Footer]:
 @pytest.mark.parametrize(
     ("sizes_mib", "cpus", "tasks"),
     [
-        ([11] * 16, 2, 3),  # 176 MiB / 64 MiB -> 3 tasks
+        ([11] * 16, 2, 6),  # 176 MiB / 32 MiB -> 6 tasks
         ([1] * 16, 2, 2),  # small files: still one task per CPU
         ([1] * 16, 64, 16),  # ... but never more tasks than files
         ([500] * 4, 2, 4),  # big files: one task each
@@ -31,7 +31,7 @@ def _footers(sizes_mib: list[int]) -> list[Footer]:
     ],
 )
 def test_read_tasks_aim_at_task_bytes(sizes_mib: list[int], cpus: int, tasks: int) -> None:
-    assert parquet.TASK_BYTES == 64 * MIB
+    assert parquet.TASK_BYTES == 32 * MIB
     assert read_tasks_for(_footers(sizes_mib), cpus) == tasks
 
 
