@@ -61,23 +61,31 @@ class Snapshot:
     """What one process-level look at the trainer and its Ray session sees."""
 
     trainer_rss: int
-    ray_rss: int  # all of the session's Ray processes together
+    ray_rss_by_pid: dict[int, int]  # each of the session's Ray processes
     threads: int  # OS threads of the trainer (Ray's C++ threads included)
     fds: int
     actors: int
 
+    @property
+    def ray_processes(self) -> int:
+        return len(self.ray_rss_by_pid)
+
+    def ray_rss_of(self, pids: set[int]) -> int:
+        """The summed RSS of those of ``pids`` that are still alive."""
+        return sum(rss for pid, rss in self.ray_rss_by_pid.items() if pid in pids)
+
 
 def snapshot() -> Snapshot:
-    ray_rss = 0
+    ray_rss = {}
     for proc in session_processes():
         try:
-            ray_rss += proc.memory_info().rss
+            ray_rss[proc.pid] = proc.memory_info().rss
         except psutil.NoSuchProcess:
             continue
     me = psutil.Process()
     return Snapshot(
         trainer_rss=me.memory_info().rss,
-        ray_rss=ray_rss,
+        ray_rss_by_pid=ray_rss,
         threads=me.num_threads(),
         fds=open_fds(),
         actors=len(live_actors()),
@@ -117,7 +125,11 @@ def test_twenty_epochs_grow_no_memory_threads_files_or_actors() -> None:
     Tolerance: 5 % on every measure. The median of three epochs filters one-off
     noise (a Ray worker that happens to be starting or exiting, an allocator
     that has not yet returned memory); a leak of something per epoch grows
-    steadily and shows after 16 more epochs.
+    steadily and shows after 16 more epochs. Ray's memory is compared process by
+    process (the processes of epochs 2-4 that are still alive), and the number of
+    Ray processes may grow by one: Ray starts a worker on demand now and then
+    (~200 MB at once, once in a CI run), which is not a leak; a process per epoch
+    would be.
     """
     tabular = RayDataLoader(
         ray.data.range(1000, override_num_blocks=4).map_batches(double, batch_size=250),
@@ -137,9 +149,15 @@ def test_twenty_epochs_grow_no_memory_threads_files_or_actors() -> None:
     tabular.close()
     samples.close()
     early, late = snaps[1:4], snaps[17:20]
-    for field in ("trainer_rss", "ray_rss", "threads", "fds", "actors"):
+    for field in ("trainer_rss", "threads", "fds", "actors"):
         before, after = _median(early, field), _median(late, field)
         assert after <= before * 1.05, (field, before, after, [getattr(s, field) for s in snaps])
+    first = set.intersection(*(set(s.ray_rss_by_pid) for s in early))
+    before = statistics.median(s.ray_rss_of(first) for s in early)
+    after = statistics.median(s.ray_rss_of(first) for s in late)
+    assert after <= before * 1.05, ("ray_rss", before, after, [s.ray_rss_of(first) for s in snaps])
+    counts = [s.ray_processes for s in snaps]
+    assert _median(late, "ray_processes") <= _median(early, "ray_processes") + 1, counts
 
 
 # ------------------------------------------------------------------ item 10: early exits
