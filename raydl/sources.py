@@ -308,20 +308,16 @@ def _unreadable_parquet(path: str, reason: str) -> ValueError:
 
 # Options raydl's own listing (above) applies before Ray sees the file list.
 _LISTING_OPTIONS = frozenset({"file_extensions", "ignore_missing_paths", "partition_filter"})
+# What ray.data.read_datasource takes besides the source (resources, concurrency, blocks).
+_READ_DATASOURCE_OPTIONS = frozenset(
+    {"override_num_blocks", "concurrency", "num_cpus", "memory", "ray_remote_args"}
+)
 # What raydl's parquet reader takes; other options (filter, partitioning, Ray's own
 # shuffle, ...) go to Ray's V1 parquet reader.
-_PARQUET_RUN_OPTIONS = frozenset(
-    {"override_num_blocks", "concurrency", "num_cpus", "memory", "ray_remote_args", "schema"}
-)
+_PARQUET_RUN_OPTIONS = _READ_DATASOURCE_OPTIONS | {"schema"}
 # What raydl's file-list reader takes: its listing's and read_datasource's. Other
 # options (partitioning, Ray's own shuffle, ...) go to Ray's reader.
-_FILE_LIST_OPTIONS = _LISTING_OPTIONS | {
-    "override_num_blocks",
-    "concurrency",
-    "num_cpus",
-    "memory",
-    "ray_remote_args",
-}
+_FILE_LIST_OPTIONS = _LISTING_OPTIONS | _READ_DATASOURCE_OPTIONS
 
 
 @contextlib.contextmanager

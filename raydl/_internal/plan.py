@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,6 @@ def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:
     """
     try:
         from ray.data import ActorPoolStrategy
-        from ray.data._internal.logical.interfaces import LogicalPlan
         from ray.data._internal.logical.operators.map_operator import AbstractMap
     except ImportError:  # pragma: no cover - Ray moved its internals
         warnings.warn(
@@ -125,11 +125,7 @@ def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:
         object.__setattr__(stage, "ray_remote_args", {**given.ray_remote_args, key: retries})
         return stage
 
-    plan = dataset._logical_plan
-    dag = plan.dag._apply_transform(bounded)
-    if dag is plan.dag:
-        return dataset
-    return type(dataset)._from_parent(dataset, LogicalPlan(dag, plan.context))
+    return _rewritten(dataset, bounded)
 
 
 def exact_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
@@ -147,7 +143,6 @@ def exact_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
     has no input.
     """
     try:
-        from ray.data._internal.logical.interfaces import LogicalPlan
         from ray.data._internal.logical.operators.read_operator import Read
     except ImportError:  # pragma: no cover - Ray moved its internals: reads stay unfused
         return dataset
@@ -170,7 +165,19 @@ def exact_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
         object.__setattr__(read, "can_modify_num_rows", False)
         return read
 
-    dag = plan.dag._apply_transform(exact)
+    return _rewritten(dataset, exact)
+
+
+def _rewritten(dataset: ray.data.Dataset, rewrite: Callable[[Any], Any]) -> ray.data.Dataset:
+    """``dataset`` with ``rewrite`` applied to each operator (Ray's copy-on-write ``_apply_transform``).
+
+    ``rewrite`` returns its operator unchanged or a changed copy, never changing it in
+    place: the operators are shared with the user's dataset. No copy, same dataset.
+    """
+    from ray.data._internal.logical.interfaces import LogicalPlan
+
+    plan = dataset._logical_plan
+    dag = plan.dag._apply_transform(rewrite)
     if dag is plan.dag:
         return dataset
     return type(dataset)._from_parent(dataset, LogicalPlan(dag, plan.context))
@@ -218,7 +225,6 @@ def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
         ValueError: a source of the plan is not a read (``from_numpy``,
             ``from_arrow``, a materialized dataset): it has no files to reorder.
     """
-    from ray.data._internal.logical.interfaces import LogicalPlan
     from ray.data._internal.logical.operators.read_operator import ListFiles, Read
 
     plan = dataset._logical_plan
@@ -247,9 +253,7 @@ def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
             return read
         return op
 
-    return type(dataset)._from_parent(
-        dataset, LogicalPlan(plan.dag._apply_transform(permuted), plan.context)
-    )
+    return _rewritten(dataset, permuted)
 
 
 def stage_names(dataset: ray.data.Dataset) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ def test_conform_fills_missing_columns_casts_and_adds_the_path() -> None:
     assert conform(table, schema, None).schema == schema
 
 
-def test_conform_names_an_impossible_cast() -> None:
+def test_conform_refuses_an_impossible_cast() -> None:
     schema = pa.schema([("a", pa.int64())])
     with pytest.raises(pa.ArrowInvalid):
         conform(pa.table({"a": ["not a number"]}), schema, None)
