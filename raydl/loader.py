@@ -783,10 +783,9 @@ class RayDataLoader(Iterable[Any]):
             # (and so its early epoch) alive; the loader's __del__ stops both.
             loader = weakref.ref(self)
 
-            def start_next() -> None:
+            def start_next() -> bool:
                 owner = loader()
-                if owner is not None:
-                    owner._start_early(epoch + 1, pin, prefetch)
+                return owner is None or owner._start_early(epoch + 1, pin, prefetch)
 
         return self._ray_iterator(
             plan.dataset,
@@ -800,13 +799,21 @@ class RayDataLoader(Iterable[Any]):
             start_next_early=plan.all_to_all,
         )
 
-    def _start_early(self, epoch: int, pin: bool, prefetch: int) -> None:
-        # Only the epoch the next iter() will run, and not when a resume is armed
-        # (that iter() skips batches of its own epoch, so it builds its own iterator).
+    def _start_early(self, epoch: int, pin: bool, prefetch: int) -> bool:
+        """Start ``epoch`` ahead of its ``iter()``; ``False`` if it is too soon to tell.
+
+        Only the epoch the next ``iter()`` will run, and not when a resume is armed
+        (that ``iter()`` skips batches of its own epoch, so it builds its own
+        iterator). Asked by epoch ``epoch - 1`` while that one was itself started
+        early and not yet taken, the answer is "not yet".
+        """
+        if self._next_epoch == epoch - 1:
+            return False
         if self._next_epoch == epoch and self._resume is None:
             self._next.start(
                 epoch, lambda: self._single_rank_iterator(epoch, pin, prefetch, skip=0)
             )
+        return True
 
     def _ray_iterator(
         self,

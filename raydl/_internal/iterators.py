@@ -407,7 +407,7 @@ class RayDatasetIterator(_BaseIterator):
         epoch: int,
         on_exhausted: Callable[[], None] | None = None,
         skip: int = 0,
-        start_next: Callable[[], None] | None = None,
+        start_next: Callable[[], bool] | None = None,
         start_next_early: bool = False,
         stages: Sequence[str] = (),
     ) -> None:
@@ -421,10 +421,13 @@ class RayDatasetIterator(_BaseIterator):
         uninterrupted run would have delivered; the skipped ones still run through
         the pipeline (that is the cost of a resume).
 
-        ``start_next``: called once from the producer thread to start the next
-        epoch early: when Ray's first batch arrives if ``start_next_early`` (the
-        plan has an all-to-all stage, so its execution is mostly done by then),
-        else when Ray's iterator is exhausted.
+        ``start_next``: called from the producer thread to start the next epoch
+        early, as soon as one of these holds: Ray's executor has run every task
+        (its outputs wait for the trainer, the cluster is idle); Ray's first batch
+        arrived and ``start_next_early`` (the plan has an all-to-all stage, so its
+        execution is mostly done by then); Ray's iterator is exhausted. It returns
+        ``False`` while it is too soon (this epoch was itself started early and
+        its ``iter()`` has not come yet), and is asked again at the next batch.
         """
         super().__init__(
             timeout=timeout, pin_memory=pin_memory, length=length, on_exhausted=on_exhausted
@@ -577,6 +580,15 @@ class _RayIteration:
             with contextlib.suppress(RuntimeError):  # never started
                 executor.join(timeout=self.EXECUTOR_JOIN_S)
 
+    def execution_done(self) -> bool:
+        """Whether Ray's executor has run every task (its outputs may still be queued)."""
+        executor = self._executor
+        return (
+            isinstance(executor, threading.Thread)
+            and executor.ident is not None
+            and not executor.is_alive()
+        )
+
     def stop_prefetchers(self) -> None:
         """Stop the block prefetchers' threads (idempotent; Ray stops them only at the end)."""
         for prefetcher in self._prefetchers:
@@ -627,7 +639,7 @@ class _Producer:
         *,
         collate: Callable[[Any], Any],
         skip: int,
-        start_next: Callable[[], None] | None,
+        start_next: Callable[[], bool] | None,
         start_next_early: bool,
     ) -> None:
         self._source = source
@@ -649,7 +661,9 @@ class _Producer:
             for position, batch in enumerate(batches):
                 if self._stop.is_set():
                     return
-                if position == 0 and self._start_next_early:
+                if self._start_next is not None and (
+                    (position == 0 and self._start_next_early) or self._ray.execution_done()
+                ):
                     self._next_epoch()
                 if position < self._skip:
                     continue
@@ -670,9 +684,9 @@ class _Producer:
                 self._ray.join_threads()
 
     def _next_epoch(self) -> None:
-        start, self._start_next = self._start_next, None
-        if start is not None and not self._stop.is_set():
-            start()
+        start = self._start_next
+        if start is not None and not self._stop.is_set() and start():
+            self._start_next = None
 
     def _put(self, item: Any) -> None:
         put_until_stopped(self._queue, item, self._stop)

@@ -76,7 +76,7 @@ def plan_epoch(
     ds.context.raise_original_map_exception = True
     ds.context.enable_progress_bars = False
     ds = bound_retries(ds, STAGE_RETRIES)
-    ds = exact_reads(ds)
+    ds = fuse_reads(ds)
     buffer = None
     buffer_seed = None
     if shuffle:
@@ -128,44 +128,54 @@ def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:
     return _rewritten(dataset, bounded)
 
 
-def exact_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
-    """The same plan with raydl's file reads declared row-preserving, so Ray fuses them.
+def fuse_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
+    """The same plan with a stage right after one of raydl's file reads fed one read task at a time.
 
-    Ray does not fuse a read into a following ``map_batches(batch_size=...)``
-    because a read "could modify the number of rows" (its generic assumption): the
-    stage then runs as tasks of its own, with its own share of the CPU budget and
-    an object-store hop in between (measured on the images benchmark: 4.4-4.8 k
-    images/s unfused, 6.2-6.9 k fused). raydl's file sources know their row counts
-    exactly (a row per file; the parquet footers' counts), so their reads are
-    marked row-preserving: Ray fuses them and bundles read tasks up to the stage's
-    ``batch_size``. Plans with a ``limit`` are left as they are: Ray's limit
-    push-down walks up through row-preserving operators and fails at a read, which
-    has no input.
+    A ``map_batches(batch_size=B)`` asks Ray to bundle its input up to ``B``
+    rows; Ray therefore does not fuse it into a read (a read "could modify the
+    number of rows"), and the stage runs as tasks of its own, with its own share
+    of the CPU budget and an object-store hop in between. Fusing it anyway would
+    be worse: Ray counts each read task as one row, so it would bundle ``B`` read
+    tasks into one (the images benchmark's ten read tasks became one task on one
+    CPU). raydl's file reads are already cut into tasks of a useful size, so the
+    stage after one of them is told not to bundle: Ray fuses read and stage, one
+    read task per task, and the stage still gets batches of at most ``B`` rows
+    (the last one of each read task may be smaller, as at the end of any Ray
+    bundle). Stages Ray could not fuse with the read (other resources, a
+    ``ray_remote_args_fn``) keep their bundling.
     """
     try:
+        from ray.data._internal.logical.operators.map_operator import AbstractMap
         from ray.data._internal.logical.operators.read_operator import Read
-    except ImportError:  # pragma: no cover - Ray moved its internals: reads stay unfused
+        from ray.data._internal.logical.rules.operator_fusion import (
+            are_op_remote_args_compatible,
+        )
+    except ImportError:  # pragma: no cover - Ray moved its internals: stages stay unfused
         return dataset
 
     from raydl._internal.files import FileRunsDatasource
 
-    plan = dataset._logical_plan
-    if any(type(op).__name__ == "Limit" for op in plan.dag.post_order_iter()):
-        return dataset
-
-    def exact(op: Any) -> Any:
-        given: Any = op
-        if not (
-            isinstance(op, Read)
-            and isinstance(getattr(given, "datasource", None), FileRunsDatasource)
-            and getattr(given, "can_modify_num_rows", False)
+    def unbundled(op: Any) -> Any:
+        given: Any = op  # Ray sets a stage's fields dynamically: mypy cannot see them
+        if (
+            not isinstance(op, AbstractMap)
+            or isinstance(op, Read)
+            or given.min_rows_per_bundled_input is None
+            or len(op.input_dependencies) != 1
         ):
             return op
-        read = copy.copy(op)
-        object.__setattr__(read, "can_modify_num_rows", False)
-        return read
+        read: Any = op.input_dependencies[0]
+        if not (
+            isinstance(read, Read)
+            and isinstance(getattr(read, "datasource", None), FileRunsDatasource)
+            and are_op_remote_args_compatible(read, given)
+        ):
+            return op
+        stage = copy.copy(op)
+        object.__setattr__(stage, "min_rows_per_bundled_input", None)
+        return stage
 
-    return _rewritten(dataset, exact)
+    return _rewritten(dataset, unbundled)
 
 
 def _rewritten(dataset: ray.data.Dataset, rewrite: Callable[[Any], Any]) -> ray.data.Dataset:
