@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +283,24 @@ def test_overlapped_epochs_deliver_the_same_batches(mode: str) -> None:
     assert overlapped == plain
     assert started == [1, 2, 3]  # each epoch started the next one while it ran
     assert none_started == [None, None, None]
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_trainer_gets_the_next_epoch_started_long_before_the_current_one_ends() -> None:
+    # No all-to-all stage: the next epoch starts once the current execution has run
+    # every task, not when the trainer reaches its last batches; an epoch that was
+    # itself started early (epochs 1 and 2) starts its successor the same way.
+    loader = RayDataLoader(ray.data.range(400, override_num_blocks=4), batch_size=8)
+    for epoch in range(3):
+        started_at = None
+        batches = 0
+        for batches, _ in enumerate(loader, start=1):
+            if started_at is None and loader._next.epoch == epoch + 1:
+                started_at = batches
+            time.sleep(0.03)  # a training step
+        assert batches == 50
+        assert started_at is not None and started_at < 40, (epoch, started_at)
+    loader.close()
 
 
 @pytest.mark.timeout(120)
