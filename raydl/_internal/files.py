@@ -33,7 +33,9 @@ if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
 #: Files per read task, at most (a task is also a block and a unit of retry).
-FILES_PER_TASK = 512
+FILES_PER_TASK = 4096
+#: Bytes per read task, at most, where the listing gave the files' sizes.
+TASK_BYTES = 32 * 2**20
 
 
 class FileRunsDatasource(Datasource):
@@ -45,6 +47,8 @@ class FileRunsDatasource(Datasource):
 
     #: Files per read task, at most.
     max_files_per_task = FILES_PER_TASK
+    #: Bytes (the listed file sizes) per read task, at most; ``None``: no bound.
+    max_bytes_per_task: int | None = TASK_BYTES
 
     def __init__(self, files: Sequence[tuple[str, int | None]]) -> None:
         super().__init__()
@@ -65,7 +69,15 @@ class FileRunsDatasource(Datasource):
         count = len(self._files)
         if count == 0:
             return []
-        tasks = min(count, max(parallelism, math.ceil(count / self.max_files_per_task)))
+        # As few tasks as Ray's parallelism allows: each task costs a scheduling round
+        # trip (tens of ms here), so 5,000 small images in ten tasks of 500 ran at
+        # 6.9 k images/s and in four tasks at 8.3-9.0 k (2 CPUs). Bounded by files and
+        # bytes, since a task holds its files' bytes and is the unit of retry.
+        tasks = max(parallelism, math.ceil(count / self.max_files_per_task))
+        if self.max_bytes_per_task:
+            total = sum(size or 0 for _, size in self._files)
+            tasks = max(tasks, math.ceil(total / self.max_bytes_per_task))
+        tasks = min(count, tasks)
         bounds = np.linspace(0, count, tasks + 1).astype(int)
         read_tasks = []
         for start, stop in itertools.pairwise(bounds.tolist()):

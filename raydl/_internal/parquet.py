@@ -52,6 +52,7 @@ class ParquetFilesDatasource(FileRunsDatasource):
     """Rows of already listed parquet ``paths``, conformed to ``schema``."""
 
     max_files_per_task = 64
+    max_bytes_per_task = None  # sized from the footers' uncompressed bytes (read_tasks_for)
 
     def __init__(
         self,

@@ -315,10 +315,14 @@ def test_list_files_follows_ray_rules(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_binary_files_are_read_many_per_task_and_shuffled_per_file(tmp_path: Path) -> None:
+def test_binary_files_are_read_many_per_task_and_shuffled_per_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from raydl._internal import files as file_source
 
-    count = 3 * file_source.FILES_PER_TASK // 2  # more than one task's worth
+    per_task = 512  # fewer files than the default bound, for a quick test
+    monkeypatch.setattr(file_source.FileListDatasource, "max_files_per_task", per_task)
+    count = 3 * per_task // 2  # more than one task's worth
     for i in range(count):
         (tmp_path / f"{i:05d}.bin").write_bytes(i.to_bytes(4, "little") * (i % 3 + 1))
     ds = read_binary_files(str(tmp_path))
@@ -342,9 +346,7 @@ def test_binary_files_are_read_many_per_task_and_shuffled_per_file(tmp_path: Pat
     ]  # fmt: skip
     assert sorted(order) == list(range(count))
     # per file, not per task: the first task's worth of files comes from all over
-    assert max(order[: file_source.FILES_PER_TASK]) - min(order[: file_source.FILES_PER_TASK]) > (
-        count // 2
-    )
+    assert max(order[:per_task]) - min(order[:per_task]) > count // 2
     # the epoch plan fuses the read into a stage with a batch size, one read task per
     # task (Ray would bundle 64 read tasks, each counted as one row, into one task)
     staged = ds.map_batches(lambda b: b, batch_size=64)
