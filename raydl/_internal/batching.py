@@ -86,22 +86,23 @@ def shuffle_rebatch(
         pool.append(block)
         held += rows
         if held >= buffer + batch_size:
-            mixed = _permuted(_concat(pool), rng)
+            pooled, order = _concat(pool), rng.permutation(held)
             out = (held - buffer) // batch_size * batch_size
             for start in range(0, out, batch_size):
-                yield _cut(mixed, start, start + batch_size)
-            pool, held = [_cut(mixed, out, held)], held - out
+                yield _take(pooled, order[start : start + batch_size])
+            pool, held = [_take(pooled, order[out:held])], held - out
     if held:
-        mixed = _permuted(_concat(pool), rng)
+        pooled, order = _concat(pool), rng.permutation(held)
         for start in range(0, held, batch_size):
             stop = min(start + batch_size, held)
             if stop - start == batch_size or not drop_last:
-                yield _cut(mixed, start, stop)
+                yield _take(pooled, order[start:stop])
 
 
-def _permuted(batch: Batch, rng: np.random.Generator) -> Batch:
-    order = rng.permutation(_rows(batch))
-    return {name: column[order] for name, column in batch.items()}
+def _take(batch: Batch, rows: np.ndarray) -> Batch:
+    # Gathered per batch, not the whole permuted pool at once: the same rows, but no
+    # burst of several milliseconds holding the GIL while the training step waits.
+    return {name: column[rows] for name, column in batch.items()}
 
 
 def ray_batches(
