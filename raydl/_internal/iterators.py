@@ -423,7 +423,7 @@ class RayDatasetIterator(_BaseIterator):
 
         ``start_next``: called from the producer thread to start the next epoch
         early, as soon as one of these holds: Ray's executor has run every task
-        (its outputs wait for the trainer, the cluster is idle); Ray's first batch
+        (its outputs wait for the trainer, the cluster is idle); a batch of Ray's
         arrived and ``start_next_early`` (the plan has an all-to-all stage, so its
         execution is mostly done by then); Ray's iterator is exhausted. It returns
         ``False`` while it is too soon (this epoch was itself started early and
@@ -662,7 +662,7 @@ class _Producer:
                 if self._stop.is_set():
                     return
                 if self._start_next is not None and (
-                    (position == 0 and self._start_next_early) or self._ray.execution_done()
+                    self._start_next_early or self._ray.execution_done()
                 ):
                     self._next_epoch()
                 if position < self._skip:
