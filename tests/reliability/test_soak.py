@@ -9,6 +9,7 @@ measured is what is left over, not throughput.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import statistics
 from collections import Counter
@@ -126,10 +127,11 @@ def test_twenty_epochs_grow_no_memory_threads_files_or_actors() -> None:
     noise (a Ray worker that happens to be starting or exiting, an allocator
     that has not yet returned memory); a leak of something per epoch grows
     steadily and shows after 16 more epochs. Ray's memory is compared process by
-    process (the processes of epochs 2-4 that are still alive), and the number of
-    Ray processes may grow by one: Ray starts a worker on demand now and then
-    (~200 MB at once, once in a CI run), which is not a leak; a process per epoch
-    would be.
+    process (the processes of epochs 2-4 that are still alive) less its largest
+    one-epoch step, and the number of Ray processes may grow by one: Ray starts a
+    worker on demand now and then, and a worker may warm up once (~200 MB at once,
+    each seen once in a CI run), which is not a leak; growth at every epoch, or a
+    process per epoch, would be.
     """
     tabular = RayDataLoader(
         ray.data.range(1000, override_num_blocks=4).map_batches(double, batch_size=250),
@@ -153,9 +155,14 @@ def test_twenty_epochs_grow_no_memory_threads_files_or_actors() -> None:
         before, after = _median(early, field), _median(late, field)
         assert after <= before * 1.05, (field, before, after, [getattr(s, field) for s in snaps])
     first = set.intersection(*(set(s.ray_rss_by_pid) for s in early))
-    before = statistics.median(s.ray_rss_of(first) for s in early)
-    after = statistics.median(s.ray_rss_of(first) for s in late)
-    assert after <= before * 1.05, ("ray_rss", before, after, [s.ray_rss_of(first) for s in snaps])
+    series = [s.ray_rss_of(first) for s in snaps]
+    # One step is allowed: a Ray process warming up once (in a CI run one of them grew
+    # ~200 MB between epochs 3 and 4, then 0.4 % over the next 16). A leak grows at
+    # every epoch, so taking its largest step away still leaves 15 of them.
+    warm_up = max(0, *(b - a for a, b in itertools.pairwise(series)))
+    before = statistics.median(series[1:4])
+    after = statistics.median(series[17:20])
+    assert after - warm_up <= before * 1.05, ("ray_rss", before, after, warm_up, series)
     counts = [s.ray_processes for s in snaps]
     assert _median(late, "ray_processes") <= _median(early, "ray_processes") + 1, counts
 
