@@ -1,12 +1,13 @@
 """The per-epoch iterators behind :class:`raydl.RayDataLoader`.
 
 * :class:`MapStyleIterator`: the driver walks torch's (batch) sampler, exactly as
-  torch does, and sends each batch of indices to a Ray actor of the pool,
-  keeping ``num_workers * prefetch_factor`` fetches in flight; batches come
-  back in sampler order (or as they finish with ``in_order=False``).
+  torch does, and hands each batch of indices to the epoch's fetch thread, which
+  sends it to a Ray actor of the pool (``num_workers * prefetch_factor`` batches
+  in flight or waiting) and queues the converted results in sampler order (or as
+  they finish with ``in_order=False``).
 * :class:`IterableIterator`: each actor iterates its own copy of an
   ``IterableDataset`` (sharding itself with ``get_worker_info()``) and the
-  driver takes batches round-robin from the workers, as torch does.
+  epoch's fetch thread takes batches round-robin from the workers, as torch does.
 * :class:`RayDatasetIterator`: a named background thread drives Ray Data's
   streaming executor for the epoch's plan and hands converted batches over a
   bounded queue; it stops on ``close()`` and its exceptions are re-raised in
@@ -22,27 +23,28 @@ import contextlib
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from torch.utils.data._utils import ExceptionWrapper
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.batching import ray_batches
 from raydl._internal.cluster import is_connected
-from raydl._internal.convert import numpy_batch_to_tensors, numpy_to_tensors
+from raydl._internal.convert import numpy_batch_to_tensors
+from raydl._internal.fetchers import (
+    DONE,
+    END_OF_REQUESTS,
+    Failure,
+    IterableFetcher,
+    MapStyleFetcher,
+    take,
+    timeout_error,
+)
 from raydl._internal.metrics import EpochStats, logger
 from raydl._internal.plan import STAGE_RETRIES
-from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
+from raydl._internal.pool import WorkerPool
 from raydl._internal.threads import put_until_stopped
-from raydl._internal.workers import EXHAUSTED, describe_indices
-from raydl.errors import LoaderTimeoutError, WorkerDiedError
-
-
-def timeout_error(timeout: float) -> LoaderTimeoutError:
-    """torch's wording for a loader that waited ``timeout`` seconds for a batch."""
-    return LoaderTimeoutError(f"DataLoader timed out after {timeout} seconds")
+from raydl.errors import WorkerDiedError
 
 
 class _BaseIterator(Iterator[Any]):
@@ -134,47 +136,40 @@ class _BaseIterator(Iterator[Any]):
             self.close()
 
 
-def _unwrap(result: Any) -> Any:
-    if isinstance(result, ExceptionWrapper):
-        result.reraise()
-    return numpy_to_tensors(result)
+class _ThreadFed(_BaseIterator):
+    """An epoch whose batches a fetch thread (see :mod:`~raydl._internal.fetchers`) queues."""
+
+    _stop: threading.Event  # set by close(): the thread stops
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def _take(self, results: queue.Queue[Any] | queue.SimpleQueue[Any]) -> Any:
+        item = take(results, self._thread)
+        if item is DONE:
+            raise StopIteration
+        if isinstance(item, Failure):
+            raise item.error
+        return item
+
+    def _stop_thread(self) -> None:
+        # In-flight fetches are dropped, not ray.cancel()ed: cancelling queued tasks of
+        # a (sequential) actor leaves a gap in its task sequence and stalls the actor's
+        # next tasks for 30 s. They finish on their own; their results are discarded.
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
 
 
-def _ray_get(ref: Any, timeout: float, what: str, worker_id: int, retries: int) -> Any:
-    """``ray.get`` with torch's timeout error and readable errors for dead workers."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+class MapStyleIterator(_ThreadFed):
+    """One epoch over a map-style dataset, fetched by a :class:`WorkerPool`.
 
-    try:
-        return ray.get(ref, timeout=timeout if timeout > 0 else None)
-    except GetTimeoutError:
-        raise timeout_error(timeout) from None
-    except RayActorError as err:
-        raise WorkerDiedError(
-            f"Ray worker {worker_id} died while loading {what} "
-            f"(retried {retries} times on a fresh worker; {type(err).__name__}). If this input crashes the worker "
-            "process every time (os._exit, a segfault in a decoder, out of memory), fix or "
-            "remove it; the worker's own log is in Ray's session directory "
-            "(/tmp/ray/session_latest/logs)."
-        ) from err
-    except RayTaskError as err:
-        raise err.as_instanceof_cause() from None
-
-
-class _Fetch:
-    """One batch in flight: its indices, the worker loading it and how often it was retried."""
-
-    __slots__ = ("attempts", "indices", "ref", "worker_id")
-
-    def __init__(self, ref: Any, indices: Any, worker_id: int) -> None:
-        self.ref = ref
-        self.indices = indices
-        self.worker_id = worker_id
-        self.attempts = 0
-
-
-class MapStyleIterator(_BaseIterator):
-    """One epoch over a map-style dataset, fetched by a :class:`WorkerPool`."""
+    The sampler is iterated here, on the trainer's thread, as torch does: a request
+    per batch taken (after the first ``num_workers * prefetch_factor``). A
+    :class:`~raydl._internal.fetchers.MapStyleFetcher` thread sends them to the
+    workers and queues the converted results.
+    """
 
     def __init__(
         self,
@@ -192,96 +187,56 @@ class MapStyleIterator(_BaseIterator):
         """``skip``: batches of this epoch already consumed (their indices were skipped)."""
         super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
         self.num_yielded = skip
-        self._pool = pool
         self._index_iter = index_iter
-        self._in_order = in_order
-        self._window = max(1, prefetch * len(pool))
-        self._pending: deque[_Fetch] = deque()
-        self._next_worker = 0
         self._sampler_done = False
         self._on_close = on_close
-        self._fill()
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        for _ in range(max(1, prefetch * len(pool))):
+            self._request()
+        self._start_thread(
+            MapStyleFetcher(
+                pool,
+                self._requests,
+                self._results,
+                self._stop,
+                in_order=in_order,
+                timeout=timeout,
+            ).run,
+            "raydl-map-style-fetcher",
+        )
 
-    def _fill(self) -> None:
-        while not self._sampler_done and len(self._pending) < self._window:
-            try:
-                indices = next(self._index_iter)
-            except StopIteration:
-                self._sampler_done = True
-                return
-            worker_id = self._next_worker
-            self._next_worker = (self._next_worker + 1) % len(self._pool)
-            ref = self._pool.actors[worker_id].fetch.remote(indices)
-            self._pending.append(_Fetch(ref, indices, worker_id))
+    def _request(self) -> None:
+        """Draw the next batch of indices from the sampler and hand it to the fetch thread."""
+        if self._sampler_done:
+            return
+        try:
+            indices = next(self._index_iter)
+        except StopIteration:
+            self._sampler_done = True
+            self._requests.put(END_OF_REQUESTS)
+            return
+        self._requests.put(indices)
 
     def _next_batch(self) -> Any:
-        from ray.exceptions import RayActorError
-
-        if not self._pending:
-            raise StopIteration
-        fetch = self._pending[0] if self._in_order else self._first_ready()
-        while True:
-            try:
-                result = _ray_get(
-                    fetch.ref,
-                    self._timeout,
-                    describe_indices(fetch.indices),
-                    fetch.worker_id,
-                    fetch.attempts,
-                )
-                break
-            except WorkerDiedError as err:
-                dead = err.__cause__
-                if not isinstance(dead, RayActorError) or fetch.attempts >= MAX_TASK_RETRIES:
-                    raise
-                fetch.attempts += 1
-                self._replace_worker(fetch)
-        self._pending.remove(fetch)
-        self._resubmit_held(fetch.worker_id)
-        self._fill()
-        return _unwrap(result)
-
-    def _replace_worker(self, failed: _Fetch) -> None:
-        """Start a fresh worker and retry ``failed`` on it alone.
-
-        The dead worker's other batches are held back until the retry succeeds. A
-        worker killed by batch B may take the already computed reply of the batch
-        before B down with it; retried together, that batch would fail again each
-        time and be blamed for B. Alone, it succeeds, and B is retried by itself.
-        """
-        self._pool.restart(failed.worker_id)
-        for fetch in self._pending:
-            if fetch.worker_id == failed.worker_id:
-                fetch.ref = None
-        failed.ref = self._pool.actors[failed.worker_id].fetch.remote(failed.indices)
-
-    def _resubmit_held(self, worker_id: int) -> None:
-        actor = self._pool.actors[worker_id]
-        for fetch in self._pending:
-            if fetch.worker_id == worker_id and fetch.ref is None:
-                fetch.ref = actor.fetch.remote(fetch.indices)
-
-    def _first_ready(self) -> _Fetch:
-        import ray
-
-        refs = [fetch.ref for fetch in self._pending]
-        waiting = [ref for ref in refs if ref is not None]
-        ready, _ = ray.wait(waiting, num_returns=1, timeout=self._timeout or None)
-        if not ready:
-            raise timeout_error(self._timeout)
-        return self._pending[refs.index(ready[0])]
+        batch = self._take(self._results)
+        self._request()  # torch draws the next indices once a batch has arrived
+        return batch
 
     def _release(self) -> None:
-        # In-flight fetches are dropped, not ray.cancel()ed: cancelling queued tasks of
-        # a (sequential) actor leaves a gap in its task sequence and stalls the actor's
-        # next tasks for 30 s. They finish on their own; their results are discarded.
-        self._pending.clear()
+        self._stop_thread()
         if self._on_close is not None:
             self._on_close()
 
 
-class IterableIterator(_BaseIterator):
-    """One epoch over an ``IterableDataset`` whose copies run in a :class:`WorkerPool`."""
+class IterableIterator(_ThreadFed):
+    """One epoch over an ``IterableDataset`` whose copies run in a :class:`WorkerPool`.
+
+    An :class:`~raydl._internal.fetchers.IterableFetcher` thread takes the workers'
+    batches round-robin and queues them (one batch beyond the ``prefetch`` per
+    worker in flight).
+    """
 
     def __init__(
         self,
@@ -298,15 +253,16 @@ class IterableIterator(_BaseIterator):
         import ray
 
         super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
-        self._pool = pool
         self._on_close = on_close
         ray.get([actor.start_iteration.remote() for actor in pool.actors])
-        self._pending: list[deque[Any]] = [
-            deque(actor.next_batch.remote() for _ in range(max(1, prefetch)))
-            for actor in pool.actors
-        ]
-        self._active = list(range(len(pool)))
-        self._cursor = 0
+        self._results: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._start_thread(
+            IterableFetcher(
+                pool, self._results, self._stop, prefetch=prefetch, timeout=timeout
+            ).run,
+            "raydl-iterable-fetcher",
+        )
         self._discard(skip)
 
     def _discard(self, count: int) -> None:
@@ -318,24 +274,10 @@ class IterableIterator(_BaseIterator):
         self.num_yielded = count
 
     def _next_batch(self) -> Any:
-        while self._active:
-            self._cursor %= len(self._active)
-            worker_id = self._active[self._cursor]
-            ref = self._pending[worker_id].popleft()
-            result = _ray_get(ref, self._timeout, "the next batch", worker_id, 0)
-            if isinstance(result, str) and result == EXHAUSTED:
-                self._pending[worker_id].clear()
-                del self._active[self._cursor]
-                continue
-            self._pending[worker_id].append(self._pool.actors[worker_id].next_batch.remote())
-            self._cursor += 1
-            return _unwrap(result)
-        raise StopIteration
+        return self._take(self._results)
 
     def _release(self) -> None:
-        for refs in self._pending:  # dropped, not cancelled: see MapStyleIterator._release
-            refs.clear()
-        self._active = []
+        self._stop_thread()
         if self._on_close is not None:
             self._on_close()
 
@@ -374,18 +316,6 @@ def users_error(err: BaseException, stages: Sequence[str] = ()) -> BaseException
         return err
     cause.__cause__ = err
     return cause
-
-
-class _Failure:
-    """An exception raised in the producer thread, carried to the consumer."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_DONE = object()
 
 
 class RayDatasetIterator(_BaseIterator):
@@ -472,9 +402,9 @@ class RayDatasetIterator(_BaseIterator):
         except queue.Empty:
             self._stalled = True
             raise timeout_error(self._timeout) from None
-        if item is _DONE:
+        if item is DONE:
             raise StopIteration
-        if isinstance(item, _Failure):
+        if isinstance(item, Failure):
             raise users_error(item.error, self._stages)
         return item
 
@@ -671,9 +601,9 @@ class _Producer:
             self._next_epoch()
             with contextlib.suppress(Exception):  # a summary is a nicety, never a failure
                 self.summary = self._source.stats()
-            self._put(_DONE)
+            self._put(DONE)
         except BaseException as err:
-            self._put(_Failure(err))
+            self._put(Failure(err))
         finally:
             close = getattr(batches, "close", None)
             if close is not None:

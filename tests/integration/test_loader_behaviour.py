@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from _datasets import (
     failing_collate,
     record_worker_init,
 )
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 import raydl
 from raydl import RayDataLoader
@@ -208,6 +210,75 @@ def test_iterable_dataset_early_exit_then_full_epoch() -> None:
     next(iter(loader))
     epoch = [int(x) for b in loader for x in b.tolist()]
     assert sorted(epoch) == list(range(10))
+    loader.close()
+
+
+class _CountingSampler(Sampler[int]):
+    """``range(n)``, counting how many indices were drawn and on which threads."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.drawn = 0
+        self.threads: set[str] = set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.n):
+            self.drawn += 1
+            self.threads.add(threading.current_thread().name)
+            yield i
+
+
+@pytest.mark.timeout(120)
+def test_the_sampler_is_drawn_on_the_trainers_thread_as_far_ahead_as_torchs() -> None:
+    # A sampler drawing from torch's global RNG must draw in the same order relative to
+    # the training loop as under torch: on the trainer's thread, num_workers *
+    # prefetch_factor batches ahead, one more batch per batch taken. Real torch worker
+    # processes (spawned: this process runs a Ray driver).
+    args: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "prefetch_factor": 2}
+    drawn: dict[str, list[int]] = {}
+    for name, cls in (("torch", DataLoader), ("raydl", RayDataLoader)):
+        sampler = _CountingSampler(40)
+        extra = {"multiprocessing_context": "spawn"} if name == "torch" else {}
+        loader = cls(torch.arange(40), sampler=sampler, **args, **extra)
+        it = iter(loader)
+        drawn[name] = [sampler.drawn]
+        for _ in range(3):
+            next(it)
+            drawn[name].append(sampler.drawn)
+        del it
+        if name == "raydl":
+            assert sampler.threads == {threading.current_thread().name}
+            loader.close()
+    assert drawn["raydl"] == drawn["torch"] == [8, 10, 12, 14]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("iterable", [False, True])
+def test_a_batch_is_taken_without_a_ray_call_on_the_trainers_thread(
+    iterable: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a training step the next batch should be waiting in a queue: a Ray call
+    # made right after a pause costs ~1 ms of wake-ups on a small VM. The workers'
+    # results are collected by the epoch's fetch thread.
+    callers: list[str] = []
+    for name in ("get", "wait"):
+        original = getattr(ray, name)
+
+        def recording(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            callers.append(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ray, name, recording)
+    data = StreamData(40) if iterable else TensorData(40)
+    loader = RayDataLoader(data, batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    callers.clear()  # starting an iterable epoch waits for the workers, as torch's does
+    assert sum(len(batch) for batch in it) == 40
+    assert callers, "the fetch thread's ray.get calls should have been recorded"
+    assert threading.current_thread().name not in callers
     loader.close()
 
 
