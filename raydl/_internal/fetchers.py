@@ -13,7 +13,7 @@ What stays on the trainer's thread, as in torch: iterating the sampler (a sample
 that draws from torch's global RNG draws in the same order relative to the training
 loop as under torch), and starting an iterable epoch. The thread never refers to
 its iterator, so a dropped iterator is collected and its ``close()`` stops the
-thread. Failures (a user's exception, a timeout, a dead worker) are carried to the
+thread. Failures (a user's exception, a dead worker) are carried to the
 trainer and raised there.
 """
 
@@ -85,10 +85,9 @@ class _Fetch:
 class _FetchLoop:
     """What both fetch threads share: sliced waits that notice ``stop``, failures carried over."""
 
-    def __init__(self, pool: WorkerPool, stop: threading.Event, *, timeout: float) -> None:
+    def __init__(self, pool: WorkerPool, stop: threading.Event) -> None:
         self._pool = pool
         self._stop = stop
-        self._timeout = timeout
 
     def run(self) -> None:
         try:
@@ -109,28 +108,22 @@ class _FetchLoop:
         if self._stop.is_set():
             raise _Stopped
 
-    def _deadline(self) -> float | None:
-        return time.monotonic() + self._timeout if self._timeout > 0 else None
-
-    def _check_deadline(self, deadline: float | None) -> None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise timeout_error(self._timeout)
-
     def _get(self, ref: Any, what: Callable[[], str], worker_id: int, retries: int) -> Any:
-        """``ray.get`` in slices, with torch's timeout error and readable errors for dead workers.
+        """``ray.get`` in slices, with readable errors for dead workers.
 
-        ``what`` describes the batch (called only for an error message).
+        ``what`` describes the batch (called only for an error message). No
+        timeout here: torch's ``timeout`` bounds how long the trainer waits in
+        ``next()`` (see :func:`take`), not how long a batch takes to load while
+        the trainer is busy.
         """
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        deadline = self._deadline()
         while True:
             try:
                 return ray.get(ref, timeout=WAIT_SLICE_S)
             except GetTimeoutError:
                 self._between_slices()
-                self._check_deadline(deadline)
             except RayActorError as err:
                 raise WorkerDiedError(
                     f"Ray worker {worker_id} died while loading {what()} "
@@ -166,9 +159,8 @@ class MapStyleFetcher(_FetchLoop):
         stop: threading.Event,
         *,
         in_order: bool,
-        timeout: float,
     ) -> None:
-        super().__init__(pool, stop, timeout=timeout)
+        super().__init__(pool, stop)
         self._requests = requests
         self._results = results
         self._in_order = in_order
@@ -261,7 +253,6 @@ class MapStyleFetcher(_FetchLoop):
     def _first_ready(self) -> _Fetch:
         import ray
 
-        deadline = self._deadline()
         while True:
             refs = [fetch.ref for fetch in self._pending]
             waiting = [ref for ref in refs if ref is not None]
@@ -269,7 +260,6 @@ class MapStyleFetcher(_FetchLoop):
             if ready:
                 return self._pending[refs.index(ready[0])]
             self._between_slices()
-            self._check_deadline(deadline)
 
 
 class IterableFetcher(_FetchLoop):
@@ -288,9 +278,8 @@ class IterableFetcher(_FetchLoop):
         stop: threading.Event,
         *,
         prefetch: int,
-        timeout: float,
     ) -> None:
-        super().__init__(pool, stop, timeout=timeout)
+        super().__init__(pool, stop)
         self._results = results
         self._prefetch = max(1, prefetch)
 
@@ -323,17 +312,28 @@ def _next_batch() -> str:
     return "the next batch"
 
 
-def take(results: queue.Queue[Any] | queue.SimpleQueue[Any], thread: threading.Thread) -> Any:
-    """The next item a fetch thread queued; an error if the thread ended without one."""
+def take(
+    results: queue.Queue[Any] | queue.SimpleQueue[Any], thread: threading.Thread, timeout: float
+) -> Any:
+    """The next item a fetch thread queued, waiting at most ``timeout`` seconds (0: no bound).
+
+    Raises torch's timeout error when the wait runs out, and an error if the
+    thread ended without queueing anything.
+    """
+    deadline = time.monotonic() + timeout if timeout > 0 else None
     while True:
+        wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
         try:
-            return results.get(timeout=1.0)
+            return results.get(timeout=wait)
         except queue.Empty:
-            if not thread.is_alive():
-                try:
-                    return results.get_nowait()
-                except queue.Empty:
-                    raise RuntimeError(
-                        f"raydl's {thread.name} thread ended without a result; this is a bug "
-                        "in raydl, please report it with the loader's arguments"
-                    ) from None
+            pass
+        if not thread.is_alive():
+            try:
+                return results.get_nowait()
+            except queue.Empty:
+                raise RuntimeError(
+                    f"raydl's {thread.name} thread ended without a result; this is a bug "
+                    "in raydl, please report it with the loader's arguments"
+                ) from None
+        if deadline is not None and time.monotonic() >= deadline:
+            raise timeout_error(timeout)

@@ -146,7 +146,7 @@ class _ThreadFed(_BaseIterator):
         self._thread.start()
 
     def _take(self, results: queue.Queue[Any] | queue.SimpleQueue[Any]) -> Any:
-        item = take(results, self._thread)
+        item = take(results, self._thread, self._timeout)
         if item is DONE:
             raise StopIteration
         if isinstance(item, Failure):
@@ -202,7 +202,6 @@ class MapStyleIterator(_ThreadFed):
                 self._results,
                 self._stop,
                 in_order=in_order,
-                timeout=timeout,
             ).run,
             "raydl-map-style-fetcher",
         )
@@ -258,9 +257,7 @@ class IterableIterator(_ThreadFed):
         self._results: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._start_thread(
-            IterableFetcher(
-                pool, self._results, self._stop, prefetch=prefetch, timeout=timeout
-            ).run,
+            IterableFetcher(pool, self._results, self._stop, prefetch=prefetch).run,
             "raydl-iterable-fetcher",
         )
         self._discard(skip)

@@ -124,6 +124,21 @@ def test_timeout_with_slow_getitem() -> None:
     loader.close()
 
 
+@pytest.mark.timeout(90)
+def test_timeout_bounds_the_trainers_wait_not_a_batchs_load_time() -> None:
+    # torch's timeout is how long next() waits. Batches that take longer than that to
+    # load, while the trainer is busy with its step, arrive in time: no error.
+    loader = RayDataLoader(SlowData(4, delay=1.2), batch_size=1, num_workers=1, timeout=1)
+    it = iter(loader)
+    time.sleep(6)  # the workers start and load the first prefetch_factor batches
+    got = []
+    for batch in it:
+        got.append(int(batch[0, 0]))
+        time.sleep(2.0)  # a step longer than a batch's load
+    assert got == [0, 1, 2, 3]
+    loader.close()
+
+
 # ------------------------------------------------------------------ early exit
 
 
