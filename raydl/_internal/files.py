@@ -4,8 +4,9 @@ Ray's ``read_binary_files`` spends about a millisecond of CPU per file here
 (1.8-2.4 k files/s on 2 CPUs for 28x28 JPEGs, against 6.9 k files/s for one
 plain process that reads and decodes them). raydl lists the files itself
 (``fs.list_files``: parallel for remote prefixes) and reads each task's files in
-a plain loop through the resolved pyarrow filesystem, so retries, the disk cache
-and the skip policy apply per file. The task's files become one Arrow block.
+a plain loop through the resolved pyarrow filesystem (up to 16 files at once from a
+remote one), so retries, the disk cache and the skip policy apply per file. The
+task's files become one Arrow block, in the task's file order.
 
 Tasks hold contiguous runs of the file list in its order (:class:`FileRunsDatasource`,
 shared with the parquet source); ``shuffle_mode="files"`` asks
@@ -20,6 +21,7 @@ import copy
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
@@ -126,7 +128,16 @@ class FileListDatasource(FileRunsDatasource):
 
 
 class _Reader:
-    """One read task's body (a class, not a closure: it pickles without the whole list)."""
+    """One read task's body (a class, not a closure: it pickles without the whole list).
+
+    Files on pyarrow's local filesystem are read in one loop (a few microseconds
+    each). Any other filesystem (an object store, an fsspec bridge) answers each
+    request after a round trip, so up to :attr:`READ_THREADS` files are fetched at
+    once; the block keeps the task's file order either way.
+    """
+
+    #: Files fetched at once per task from a filesystem other than the local disk.
+    READ_THREADS = 16
 
     def __init__(self, source: FileListDatasource, paths: list[str]) -> None:
         self._filesystem = source._filesystem
@@ -134,21 +145,40 @@ class _Reader:
         self._skip = source._on_bad_file == "skip"
         self._paths = paths
 
+    def _read(self, path: str) -> tuple[bytes | None, Exception | None]:
+        try:
+            with self._filesystem.open_input_stream(path) as f:
+                return f.read(), None
+        except Exception as err:
+            return None, err
+
+    def _results(self) -> Iterator[tuple[bytes | None, Exception | None]]:
+        import pyarrow.fs as pafs
+
+        threads = min(self.READ_THREADS, len(self._paths))
+        if isinstance(self._filesystem, pafs.LocalFileSystem) or threads < 2:
+            yield from map(self._read, self._paths)
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="raydl-read") as pool:
+            try:
+                yield from pool.map(self._read, self._paths)
+            finally:
+                pool.shutdown(cancel_futures=True)  # a file failed: read no further
+
     def __call__(self) -> Iterator[pa.Table]:
         import ray.data
 
         retried = ray.data.DataContext.get_current().retried_io_errors or ()
         datas: list[bytes] = []
         kept: list[str] = []
-        for path in self._paths:
-            try:
-                with self._filesystem.open_input_stream(path) as f:
-                    datas.append(f.read())
-            except Exception as err:
+        for path, (data, err) in zip(self._paths, self._results(), strict=True):
+            if err is not None:
                 if not self._skip or not skips.skippable(err, retried):
                     raise naming(err, path) from err
                 skips.record_skip(path, err)
                 continue
+            assert data is not None
+            datas.append(data)
             kept.append(path)
         columns: dict[str, Any] = {"bytes": pa.array(datas, type=pa.binary())}
         if self._include_paths:
