@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ _SCAN_INTERVAL_S = 1.0
 _COUNTER_KEYS = ("hits", "misses", "bytes_fetched", "evictions")
 # Counters of this process per cache directory (read tasks come and go; the process stays).
 _process_counts: dict[str, dict[str, int]] = {}
+_counts_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class DiskCache:
         self._estimate: int | None = None
         self._written_since_scan = 0
         self._last_scan = 0.0
+        # A read task fetches several files at once (files._Reader.READ_THREADS).
+        self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (DiskCache, (self.config,))
@@ -196,8 +200,9 @@ class DiskCache:
                     return final
         fetched = self._download(handler, path, final, size)
         self._count(misses=1, bytes_fetched=fetched)
-        self._written_since_scan += fetched
-        self._maybe_evict()
+        with self._lock:
+            self._written_since_scan += fetched
+            self._maybe_evict()
         return final
 
     def _download(self, handler: RemoteHandler, path: str, final: str, size: Any) -> int:
@@ -220,6 +225,7 @@ class DiskCache:
         return got
 
     def _maybe_evict(self) -> None:
+        """Evict the least recently used entries past ``max_bytes`` (holding ``self._lock``)."""
         max_bytes = self.config.max_bytes
         if max_bytes is None:
             return
@@ -254,6 +260,10 @@ class DiskCache:
             self._count(evictions=evicted)
 
     def _count(self, **deltas: int) -> None:
+        with _counts_lock:
+            self._count_locked(deltas)
+
+    def _count_locked(self, deltas: dict[str, int]) -> None:
         counts = _process_counts.setdefault(self.config.dir, dict.fromkeys(_COUNTER_KEYS, 0))
         for k, v in deltas.items():
             counts[k] += v

@@ -192,6 +192,8 @@ class MapStyleFetcher(_FetchLoop):
     def _take_requests(self, *, block: bool) -> None:
         """Send every request waiting on the queue to a worker (waiting for one if ``block``)."""
         while not self._requests_ended:
+            if self._stop.is_set():  # closing: start no more tasks
+                raise _Stopped
             try:
                 if block:
                     indices = self._requests.get(timeout=WAIT_SLICE_S)
@@ -313,20 +315,26 @@ def _next_batch() -> str:
 
 
 def take(
-    results: queue.Queue[Any] | queue.SimpleQueue[Any], thread: threading.Thread, timeout: float
+    results: queue.Queue[Any] | queue.SimpleQueue[Any],
+    thread: threading.Thread,
+    timeout: float,
+    stop: threading.Event,
 ) -> Any:
     """The next item a fetch thread queued, waiting at most ``timeout`` seconds (0: no bound).
 
-    Raises torch's timeout error when the wait runs out, and an error if the
-    thread ended without queueing anything.
+    Raises torch's timeout error when the wait runs out, ``StopIteration`` once
+    ``stop`` is set (the iterator was closed from another thread), and an error if
+    the thread ended without queueing anything.
     """
     deadline = time.monotonic() + timeout if timeout > 0 else None
     while True:
         wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
         try:
-            return results.get(timeout=wait)
+            return results.get(timeout=min(wait, WAIT_SLICE_S * 4))
         except queue.Empty:
             pass
+        if stop.is_set():
+            raise StopIteration
         if not thread.is_alive():
             try:
                 return results.get_nowait()

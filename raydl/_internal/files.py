@@ -160,10 +160,9 @@ class _Reader:
             yield from map(self._read, self._paths)
             return
         with ThreadPoolExecutor(threads, thread_name_prefix="raydl-read") as pool:
-            try:
-                yield from pool.map(self._read, self._paths)
-            finally:
-                pool.shutdown(cancel_futures=True)  # a file failed: read no further
+            # map() yields in order; if the task stops early (a file failed and
+            # is not skipped), closing it cancels the reads not yet started.
+            yield from pool.map(self._read, self._paths)
 
     def __call__(self) -> Iterator[pa.Table]:
         import ray.data

@@ -125,8 +125,12 @@ class _BaseIterator(Iterator[Any]):
                 self.stats.finish()
             if self.progress is not None:
                 self.progress.close()
+            self._stop_threads()
             if is_connected():  # after ray.shutdown() (e.g. at exit) there is nothing to release
                 self._release()
+
+    def _stop_threads(self) -> None:
+        """Stop this epoch's own threads (whether or not Ray is still connected)."""
 
     def _release(self) -> None:
         raise NotImplementedError
@@ -139,27 +143,38 @@ class _BaseIterator(Iterator[Any]):
 class _ThreadFed(_BaseIterator):
     """An epoch whose batches a fetch thread (see :mod:`~raydl._internal.fetchers`) queues."""
 
-    _stop: threading.Event  # set by close(): the thread stops
+    _thread: threading.Thread | None = None  # None until started
+    _done = False  # the thread's DONE was taken: every later next() is StopIteration
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._stop = threading.Event()  # set by close(): the thread stops
 
     def _start_thread(self, target: Callable[[], None], name: str) -> None:
         self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()
 
     def _take(self, results: queue.Queue[Any] | queue.SimpleQueue[Any]) -> Any:
-        item = take(results, self._thread, self._timeout)
+        if self._done:
+            raise StopIteration
+        assert self._thread is not None
+        item = take(results, self._thread, self._timeout, self._stop)
         if item is DONE:
+            self._done = True
             raise StopIteration
         if isinstance(item, Failure):
             raise item.error
         return item
 
-    def _stop_thread(self) -> None:
+    def _stop_threads(self) -> None:
         # In-flight fetches are dropped, not ray.cancel()ed: cancelling queued tasks of
         # a (sequential) actor leaves a gap in its task sequence and stalls the actor's
         # next tasks for 30 s. They finish on their own; their results are discarded.
+        # Stopped even after ray.shutdown(): the thread must not call into Ray then.
         self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
 
 
 class MapStyleIterator(_ThreadFed):
@@ -192,7 +207,6 @@ class MapStyleIterator(_ThreadFed):
         self._on_close = on_close
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._stop = threading.Event()
         for _ in range(max(1, prefetch * len(pool))):
             self._request()
         self._start_thread(
@@ -224,7 +238,6 @@ class MapStyleIterator(_ThreadFed):
         return batch
 
     def _release(self) -> None:
-        self._stop_thread()
         if self._on_close is not None:
             self._on_close()
 
@@ -255,7 +268,6 @@ class IterableIterator(_ThreadFed):
         self._on_close = on_close
         ray.get([actor.start_iteration.remote() for actor in pool.actors])
         self._results: queue.Queue[Any] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
         self._start_thread(
             IterableFetcher(pool, self._results, self._stop, prefetch=prefetch).run,
             "raydl-iterable-fetcher",
@@ -274,7 +286,6 @@ class IterableIterator(_ThreadFed):
         return self._take(self._results)
 
     def _release(self) -> None:
-        self._stop_thread()
         if self._on_close is not None:
             self._on_close()
 

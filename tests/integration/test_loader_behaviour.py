@@ -297,6 +297,24 @@ def test_a_batch_is_taken_without_a_ray_call_on_the_trainers_thread(
     loader.close()
 
 
+@pytest.mark.timeout(90)
+def test_an_iterable_epoch_resumed_past_its_end_is_simply_over() -> None:
+    # The stream is shorter than when the state was saved: the resume discards what
+    # there is and the epoch is over (StopIteration, as from an exhausted torch
+    # iterator); the next epoch is whole.
+    saved = RayDataLoader(StreamData(12), batch_size=2, num_workers=2)
+    it = iter(saved)
+    for _ in range(4):
+        next(it)
+    state = saved.state_dict()
+    saved.close()
+    short = RayDataLoader(StreamData(4), batch_size=2, num_workers=2)
+    short.load_state_dict(state)
+    assert list(short) == []
+    assert sorted(int(x) for b in short for x in b.tolist()) == [0, 1, 2, 3]
+    short.close()
+
+
 # ------------------------------------------------------------------ torch's RNG protocol
 
 
