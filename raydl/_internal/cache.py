@@ -260,20 +260,17 @@ class DiskCache:
             self._count(evictions=evicted)
 
     def _count(self, **deltas: int) -> None:
-        with _counts_lock:
-            self._count_locked(deltas)
-
-    def _count_locked(self, deltas: dict[str, int]) -> None:
-        counts = _process_counts.setdefault(self.config.dir, dict.fromkeys(_COUNTER_KEYS, 0))
-        for k, v in deltas.items():
-            counts[k] += v
-        stats_dir = os.path.join(self.config.dir, _STATS)
-        os.makedirs(stats_dir, exist_ok=True)
-        name = f"{socket.gethostname()}-{os.getpid()}"
-        tmp = os.path.join(stats_dir, f".{name}.{uuid.uuid4().hex}")
-        with open(tmp, "w") as f:
-            json.dump(counts, f)
-        os.replace(tmp, os.path.join(stats_dir, f"{name}.json"))
+        with _counts_lock:  # a task's reading threads count at once
+            counts = _process_counts.setdefault(self.config.dir, dict.fromkeys(_COUNTER_KEYS, 0))
+            for k, v in deltas.items():
+                counts[k] += v
+            stats_dir = os.path.join(self.config.dir, _STATS)
+            os.makedirs(stats_dir, exist_ok=True)
+            name = f"{socket.gethostname()}-{os.getpid()}"
+            tmp = os.path.join(stats_dir, f".{name}.{uuid.uuid4().hex}")
+            with open(tmp, "w") as f:
+                json.dump(counts, f)
+            os.replace(tmp, os.path.join(stats_dir, f"{name}.json"))
 
 
 def _listdir(path: str) -> list[str]:

@@ -200,10 +200,8 @@ class MapStyleFetcher(_FetchLoop):
                 else:
                     indices = self._requests.get_nowait()
             except queue.Empty:
-                if self._stop.is_set():
-                    raise _Stopped from None
                 if block:
-                    continue
+                    continue  # the loop's head looks at stop
                 return
             if indices is END_OF_REQUESTS:
                 self._requests_ended = True
@@ -327,10 +325,12 @@ def take(
     the thread ended without queueing anything.
     """
     deadline = time.monotonic() + timeout if timeout > 0 else None
+    wait = WAIT_SLICE_S * 4  # between looks at stop and at the thread
     while True:
-        wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+        if deadline is not None:
+            wait = min(wait, max(0.0, deadline - time.monotonic()))
         try:
-            return results.get(timeout=min(wait, WAIT_SLICE_S * 4))
+            return results.get(timeout=wait)
         except queue.Empty:
             pass
         if stop.is_set():

@@ -246,8 +246,8 @@ class IterableIterator(_ThreadFed):
     """One epoch over an ``IterableDataset`` whose copies run in a :class:`WorkerPool`.
 
     An :class:`~raydl._internal.fetchers.IterableFetcher` thread takes the workers'
-    batches round-robin and queues them (one batch beyond the ``prefetch`` per
-    worker in flight).
+    batches round-robin and queues them (``prefetch`` per worker in flight, plus
+    up to two converted: one queued, one waiting to be).
     """
 
     def __init__(
