@@ -105,6 +105,20 @@ def _take(batch: Batch, rows: np.ndarray) -> Batch:
     return {name: column[rows] for name, column in batch.items()}
 
 
+def cut_batches(
+    blocks: Iterable[Batch],
+    *,
+    batch_size: int,
+    drop_last: bool,
+    buffer: int | None,
+    seed: int | None,
+) -> Iterator[Batch]:
+    """``blocks`` cut into batches: through the local shuffle buffer if ``buffer``, else in order."""
+    if buffer:
+        return shuffle_rebatch(blocks, batch_size, drop_last, buffer, seed)
+    return rebatch(blocks, batch_size, drop_last)
+
+
 def ray_batches(
     source: Any,
     *,
@@ -123,10 +137,9 @@ def ray_batches(
     """
     blocks = iter(source.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1))
     try:
-        if buffer:
-            yield from shuffle_rebatch(blocks, batch_size, drop_last, buffer, seed)
-        else:
-            yield from rebatch(blocks, batch_size, drop_last)
+        yield from cut_batches(
+            blocks, batch_size=batch_size, drop_last=drop_last, buffer=buffer, seed=seed
+        )
     finally:
         close = getattr(blocks, "close", None)
         if close is not None:

@@ -19,16 +19,18 @@ trainer and raised there.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.utils.data._utils import ExceptionWrapper
 
 from raydl._internal.convert import numpy_to_tensors
+from raydl._internal.direct import describe_run
 from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
 from raydl._internal.threads import put_until_stopped
 from raydl._internal.workers import EXHAUSTED, describe_indices
@@ -95,7 +97,8 @@ class _FetchLoop:
         except _Stopped:
             pass
         except BaseException as err:
-            self._put(Failure(err))
+            with contextlib.suppress(_Stopped):  # closed meanwhile: nobody is waiting for it
+                self._put(Failure(err))
 
     def _loop(self) -> None:
         raise NotImplementedError
@@ -206,11 +209,18 @@ class MapStyleFetcher(_FetchLoop):
             if indices is END_OF_REQUESTS:
                 self._requests_ended = True
                 return
-            worker_id = self._next_worker
-            self._next_worker = (self._next_worker + 1) % len(self._pool)
-            ref = self._pool.actors[worker_id].fetch.remote(indices)
-            self._pending.append(_Fetch(ref, indices, worker_id))
+            self._send(indices)
             block = False
+
+    def _describe(self, indices: Any) -> str:
+        return describe_indices(indices)
+
+    def _send(self, indices: Any) -> None:
+        """Send one request to the next worker, round-robin."""
+        worker_id = self._next_worker
+        self._next_worker = (self._next_worker + 1) % len(self._pool)
+        ref = self._pool.actors[worker_id].fetch.remote(indices)
+        self._pending.append(_Fetch(ref, indices, worker_id))
 
     def _collect(self, fetch: _Fetch) -> Any:
         from ray.exceptions import RayActorError
@@ -219,7 +229,7 @@ class MapStyleFetcher(_FetchLoop):
             try:
                 return self._get(
                     fetch.ref,
-                    lambda: describe_indices(fetch.indices),
+                    lambda: self._describe(fetch.indices),
                     fetch.worker_id,
                     fetch.attempts,
                 )
@@ -260,6 +270,78 @@ class MapStyleFetcher(_FetchLoop):
             if ready:
                 return self._pending[refs.index(ready[0])]
             self._between_slices()
+
+
+class DirectFetcher(MapStyleFetcher):
+    """The body of a direct epoch's thread (see :mod:`~raydl._internal.direct`).
+
+    Sends the epoch's runs of files to the pool's actors, ``window`` in flight,
+    takes their blocks in order, cuts them into batches with ``cut``, drops the
+    first ``skip`` (a resume), converts the rest with ``collate`` and puts them
+    on the bounded ``results`` queue, then :data:`DONE`. Worker deaths are
+    handled as for map-style batches (a run is a pure function of its files).
+    Once every run is sent, ``start_next`` is asked to start the next epoch
+    (and asked again at each block while it answers ``False``: too soon).
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        runs: Sequence[Any],
+        results: queue.Queue[Any],
+        stop: threading.Event,
+        *,
+        window: int,
+        cut: Callable[[Iterator[Any]], Iterator[Any]],
+        collate: Callable[[Any], Any],
+        skip: int,
+        start_next: Callable[[], bool] | None,
+    ) -> None:
+        super().__init__(pool, queue.SimpleQueue(), queue.SimpleQueue(), stop, in_order=True)
+        self._runs = runs
+        self._out = results
+        self._window = max(1, window)
+        self._cut = cut
+        self._collate = collate
+        self._skip = skip
+        self._start_next = start_next
+        self.blocks = 0  # blocks received so far (for the epoch's summary)
+
+    def _put(self, item: Any) -> None:
+        if not put_until_stopped(self._out, item, self._stop):
+            raise _Stopped
+
+    def _describe(self, indices: Any) -> str:
+        return describe_run(indices[1])
+
+    def _loop(self) -> None:
+        for position, batch in enumerate(self._cut(self._blocks())):
+            if position >= self._skip:
+                self._put(self._collate(batch))
+        self._put(DONE)
+
+    def _blocks(self) -> Iterator[Any]:
+        runs = iter(self._runs)
+        sent_all = False
+        while True:
+            while not sent_all and len(self._pending) < self._window:
+                run = next(runs, None)
+                if run is None:
+                    sent_all = True
+                else:
+                    self._send(run)
+            start = self._start_next
+            if sent_all and start is not None and not self._stop.is_set() and start():
+                self._start_next = None
+            if not self._pending:
+                return
+            fetch = self._pending[0]
+            result = self._collect(fetch)
+            self._pending.popleft()
+            self._resubmit_held(fetch.worker_id)
+            blocks = unwrap(result)
+            self.blocks += len(blocks)
+            yield from blocks
 
 
 class IterableFetcher(_FetchLoop):

@@ -28,12 +28,13 @@ from typing import Any
 
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
-from raydl._internal.batching import ray_batches
+from raydl._internal.batching import cut_batches, ray_batches
 from raydl._internal.cluster import is_connected
 from raydl._internal.convert import numpy_batch_to_tensors
 from raydl._internal.fetchers import (
     DONE,
     END_OF_REQUESTS,
+    DirectFetcher,
     Failure,
     IterableFetcher,
     MapStyleFetcher,
@@ -288,6 +289,78 @@ class IterableIterator(_ThreadFed):
     def _release(self) -> None:
         if self._on_close is not None:
             self._on_close()
+
+
+class DirectIterator(_ThreadFed):
+    """One epoch of a simple file pipeline run on raydl's own actors (see ``direct.py``).
+
+    A :class:`~raydl._internal.fetchers.DirectFetcher` thread sends the epoch's
+    runs of files to the pool, cuts the blocks that come back into batches (the
+    same code, local shuffle buffer included, as for Ray Data's blocks), converts
+    them and queues up to ``prefetch`` of them.
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        work: Any,
+        runs: Sequence[Sequence[str]],
+        *,
+        batch_size: int,
+        drop_last: bool,
+        local_shuffle_buffer_size: int | None,
+        local_shuffle_seed: int | None,
+        collate_fn: Callable[[Any], Any] | None,
+        prefetch: int,
+        timeout: float,
+        pin_memory: bool,
+        length: int | None,
+        epoch: int,
+        summary: str,
+        skip: int = 0,
+        start_next: Callable[[], bool] | None = None,
+    ) -> None:
+        """``work``: the epoch's :class:`~raydl._internal.direct.EpochWork`, put in Ray.
+
+        ``skip``, ``start_next``: as for :class:`RayDatasetIterator` (the next epoch
+        is asked for once every run has been sent).
+        """
+        super().__init__(timeout=timeout, pin_memory=pin_memory, length=length)
+        self.num_yielded = skip
+        self._summary = summary
+        self._results: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch))
+
+        def cut(blocks: Iterator[Any]) -> Iterator[Any]:
+            return cut_batches(
+                blocks,
+                batch_size=batch_size,
+                drop_last=drop_last,
+                buffer=local_shuffle_buffer_size,
+                seed=local_shuffle_seed,
+            )
+
+        # Nested in a list, the reference reaches the actors unresolved (they keep it).
+        self._fetcher = DirectFetcher(
+            pool,
+            [([work], tuple(run)) for run in runs],
+            self._results,
+            self._stop,
+            window=prefetch * len(pool),
+            cut=cut,
+            collate=collate_fn if collate_fn is not None else numpy_batch_to_tensors,
+            skip=skip,
+            start_next=start_next,
+        )
+        self._start_thread(self._fetcher.run, f"raydl-epoch-{epoch}-direct")
+
+    def _next_batch(self) -> Any:
+        return self._take(self._results)
+
+    def _execution_summary(self) -> str | None:
+        return f"{self._summary}: {self._fetcher.blocks} blocks"
+
+    def _release(self) -> None:
+        pass
 
 
 def users_error(err: BaseException, stages: Sequence[str] = ()) -> BaseException:

@@ -22,6 +22,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Se
 
 from raydl._internal import elastic
 from raydl._internal.batching import ray_batches
+from raydl._internal.direct import LocalRuns, direct_plan
 from raydl._internal.shuffle import rank_seed
 from raydl._internal.state import LoaderState, decode_rng
 
@@ -118,14 +119,22 @@ def ray_shares(
     drop_last: bool,
     buffer: int | None,
     buffer_seed: int | None,
+    direct: bool,
 ) -> list[pa.Table]:
-    """Per new rank: its rows of the rest of the epoch, as a table."""
+    """Per new rank: its rows of the rest of the epoch, as a table.
+
+    ``direct``: the loader runs simple file plans on its own actors
+    (``direct_execution``), so a one-rank epoch is re-run the same way.
+    """
     import pyarrow as pa
 
     segments = state.segments
     old_world, consumed = segments[0]
     if old_world == 1:
-        streams: Sequence[Any] = [plan_dataset]
+        # One rank ran the epoch on raydl's actors when its plan was simple enough.
+        simple = direct_plan(plan_dataset) if direct else None
+        local = LocalRuns(simple, plan_dataset.context) if simple is not None else None
+        streams: Sequence[Any] = [local or plan_dataset]
     else:
         streams = plan_dataset.streaming_split(old_world, equal=True)
     tables = _rest_of_streams(streams, consumed, batch_size, drop_last, buffer, buffer_seed)

@@ -1,0 +1,232 @@
+"""Simple file plans on the loader's own actors (``direct_execution``; own module: its own Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+import raydl
+from raydl import RayDataLoader
+from raydl._internal.direct import direct_plan
+from raydl._internal.plan import plan_epoch
+from raydl._internal.resume import ray_shares
+from raydl._internal.state import LoaderState
+
+FILES = 120
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``FILES`` small files, file ``i`` holding the text of ``i``."""
+    root = tmp_path_factory.mktemp("direct")
+    for i in range(FILES):
+        (root / f"{i:04d}.bin").write_bytes(str(i).encode())
+    return root
+
+
+def _parse(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    ids = np.array([int(b) for b in batch["bytes"]], dtype=np.int64)
+    return {"id": ids, "pid": np.full(len(ids), os.getpid(), dtype=np.int64)}
+
+
+def _dataset(folder: Path, **stage: Any) -> Any:
+    return raydl.read_binary_files(str(folder)).map_batches(
+        _parse, batch_size=16, batch_format="numpy", **stage
+    )
+
+
+def _epoch(loader: RayDataLoader) -> tuple[list[int], set[int]]:
+    ids: list[int] = []
+    pids: set[int] = set()
+    for batch in loader:
+        ids += batch["id"].tolist()
+        pids |= set(batch["pid"].tolist())
+    return ids, pids
+
+
+def _summary(loader: RayDataLoader) -> str:
+    return str(loader.stats()["epochs"][-1]["ray_data"])
+
+
+@pytest.mark.timeout(120)
+def test_a_file_read_and_its_functions_run_on_the_loaders_own_actors(folder: Path) -> None:
+    loader = RayDataLoader(_dataset(folder), batch_size=10, shuffle=True, shuffle_mode="files")
+    epochs = [_epoch(loader) for _ in range(3)]
+    for ids, _ in epochs:
+        assert sorted(ids) == list(range(FILES))  # every file exactly once
+    assert len({tuple(ids) for ids, _ in epochs}) == 3  # a new order each epoch
+    pids = [p for _, p in epochs]
+    assert pids[0] == pids[1] == pids[2] and 1 <= len(pids[0]) <= 2  # the same 2-CPU pool
+    assert os.getpid() not in pids[0]
+    assert "on 2 raydl actors" in _summary(loader)
+    loader.close()  # its actors go
+    assert all(actor is None for actor in [loader._direct_pool])
+    # And the next iteration starts a new pool.
+    assert sorted(_epoch(loader)[0]) == list(range(FILES))
+    loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_without_a_buffer_the_batches_are_ray_datas(folder: Path) -> None:
+    def batches(direct: bool) -> list[list[int]]:
+        loader = RayDataLoader(_dataset(folder), batch_size=7, direct_execution=direct)
+        out = [b["id"].tolist() for b in loader]
+        assert ("raydl actors" in _summary(loader)) is direct
+        loader.close()
+        return out
+
+    assert batches(True) == batches(False)
+
+
+@pytest.mark.timeout(120)
+def test_the_order_is_a_pure_function_of_seed_and_epoch(folder: Path) -> None:
+    def loader(seed: int) -> RayDataLoader:
+        return RayDataLoader(
+            _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files", seed=seed,
+            local_shuffle_buffer_size=32,
+        )  # fmt: skip
+
+    first, again, other = loader(5), loader(5), loader(6)
+    a = [_epoch(first)[0] for _ in range(2)]
+    assert [_epoch(again)[0] for _ in range(2)] == a
+    assert _epoch(other)[0] != a[0]
+    again.set_epoch(1)
+    assert _epoch(again)[0] == a[1]
+    for each in (first, again, other):
+        each.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_epoch_delivers_exactly_the_rest(folder: Path) -> None:
+    def loader() -> RayDataLoader:
+        return RayDataLoader(
+            _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files", seed=3
+        )
+
+    whole = _epoch(loader())[0]
+    interrupted = loader()
+    it = iter(interrupted)
+    head = [i for _ in range(5) for i in next(it)["id"].tolist()]
+    state = json.loads(json.dumps(interrupted.state_dict()))
+    interrupted.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + _epoch(resumed)[0] == whole
+    resumed.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_resumed_at_another_world_size_is_rebuilt_the_same_way(folder: Path) -> None:
+    # The rest of a one-rank epoch is rebuilt on rank 0 by loading the same runs again.
+    loader = RayDataLoader(_dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files")
+    it = iter(loader)
+    head = [i for _ in range(4) for i in next(it)["id"].tolist()]
+    state = LoaderState.from_dict(json.loads(json.dumps(loader.state_dict())))
+    rest = [i for batch in it for i in batch["id"].tolist()]
+    plan = loader._plan(state.epoch)
+    shares = ray_shares(
+        plan.dataset, state, 2, batch_size=8, drop_last=False,
+        buffer=plan.local_shuffle_buffer_size, buffer_seed=plan.local_shuffle_seed, direct=True,
+    )  # fmt: skip
+    assert [i for share in shares for i in share.column("id").to_pylist()] == rest
+    assert sorted(head + rest) == list(range(FILES))
+    loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_error_has_the_users_type_and_names_the_stage_and_files(folder: Path) -> None:
+    def reject_seven(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if b"7" in batch["bytes"].tolist():
+            raise KeyError("file 7 is corrupt")
+        return _parse(batch)
+
+    ds = raydl.read_binary_files(str(folder)).map_batches(reject_seven, batch_size=4)
+    loader = RayDataLoader(ds, batch_size=4)
+    with pytest.raises(KeyError, match="file 7 is corrupt") as info:
+        list(loader)
+    message = str(info.value)
+    assert "MapBatches(reject_seven)" in message and "0007.bin" in message  # its run
+    loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_actor_is_replaced_and_its_runs_loaded_once(folder: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "killed"
+
+    def die_once(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if b"50" in batch["bytes"].tolist() and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        return _parse(batch)
+
+    ds = raydl.read_binary_files(str(folder)).map_batches(die_once, batch_size=4)
+    loader = RayDataLoader(ds, batch_size=6, shuffle=True, shuffle_mode="files")
+    ids, _ = _epoch(loader)
+    assert marker.exists(), "the actor was never killed"
+    assert sorted(ids) == list(range(FILES))
+    loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_break_then_a_whole_epoch(folder: Path) -> None:
+    loader = RayDataLoader(_dataset(folder), batch_size=5, shuffle=True, shuffle_mode="files")
+    for _ in loader:
+        break
+    assert sorted(_epoch(loader)[0]) == list(range(FILES))
+    loader.close()
+
+
+@pytest.mark.timeout(60)
+def test_only_simple_file_plans_run_on_raydls_actors(folder: Path, tmp_path: Path) -> None:
+    class Stateful:
+        def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return batch
+
+    def planned(ds: Any, mode: str = "files") -> Any:
+        plan = plan_epoch(
+            ds, shuffle=True, shuffle_mode=mode, local_shuffle_buffer_size=8, seed=0, epoch=0,
+            deterministic=True,
+        )  # fmt: skip
+        return direct_plan(plan.dataset)
+
+    read = raydl.read_binary_files(str(folder))
+    assert planned(read) is not None  # a read alone
+    assert planned(_dataset(folder, num_cpus=0.5)).num_cpus == 0.5
+    assert planned(_dataset(folder, concurrency=1)).concurrency == 1
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": np.arange(5)}), tmp_path / "a.parquet")
+    assert planned(raydl.read_parquet(str(tmp_path / "a.parquet"))) is not None
+    # What Ray Data runs: an all-to-all stage, a class, GPUs, a filter, Ray's own reads.
+    assert planned(_dataset(folder), mode="global") is None
+    assert planned(_dataset(folder), mode="blocks") is None
+    assert planned(read.map_batches(Stateful, concurrency=1)) is None
+    assert planned(read.map_batches(_parse, num_gpus=1, batch_size=4)) is None
+    assert planned(_dataset(folder).filter(lambda row: row["id"] > 3)) is None
+    assert planned(ray.data.read_binary_files(str(folder))) is None
+    assert planned(ray.data.range(10)) is None
+
+
+@pytest.mark.timeout(60)
+def test_batches_are_tensors_and_collate_fn_gets_numpy(folder: Path) -> None:
+    seen: list[type] = []
+
+    def collate(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        seen.append(type(batch["id"]))
+        return batch
+
+    plain = RayDataLoader(_dataset(folder), batch_size=50)
+    assert all(isinstance(b["id"], torch.Tensor) for b in plain)
+    custom = RayDataLoader(_dataset(folder), batch_size=50, collate_fn=collate)
+    assert [len(b["id"]) for b in custom] == [50, 50, 20]
+    assert seen == [np.ndarray] * 3
+    plain.close()
+    custom.close()
