@@ -526,6 +526,7 @@ class RayDataLoader(Iterable[Any]):
             else None,
             order=self._epoch_order if in_progress else None,
             worker_seed=self._worker_seed if self.persistent_workers else None,
+            direct_execution=self.options.direct_execution if self._is_ray_dataset else None,
         )
         return state.to_dict()
 
@@ -592,6 +593,7 @@ class RayDataLoader(Iterable[Any]):
             world_size=self._world.world_size,
             batch_size=self.batch_size,
             elastic=self._is_ray_dataset or (not self._is_iterable and can_rebuild(state)),
+            direct_execution=self.options.direct_execution if self._is_ray_dataset else None,
         )
         self._close_iterator()
         self._next.discard()
@@ -834,11 +836,11 @@ class RayDataLoader(Iterable[Any]):
         import ray
 
         assert self.batch_size is not None  # refused for Ray Data sources in __init__
-        size = direct_pool_size(direct, ray.cluster_resources().get("CPU", 1.0))
         pool = self._direct_pool
-        if pool is None or len(pool) != size:
-            if pool is not None:
-                pool.kill()
+        if pool is None:
+            # Sized once: an epoch started early shares it with the current one, so it is
+            # never replaced while the loader lives (close() drops it).
+            size = direct_pool_size(direct, ray.cluster_resources().get("CPU", 1.0))
             # No CPUs held: like torch's worker processes they compete for the machine,
             # and other Ray work (a len() that must count rows) is never locked out.
             spec = WorkerSpec(
@@ -867,7 +869,7 @@ class RayDataLoader(Iterable[Any]):
             pin_memory=pin,
             length=self._length_or_none(epoch),
             epoch=epoch,
-            summary=f"{' -> '.join(direct.names)} on {size} raydl actors ({len(files)} files)",
+            summary=f"{' -> '.join(direct.names)} on {len(pool)} raydl actors ({len(files)} files)",
             skip=skip,
             start_next=start_next,
         )

@@ -25,6 +25,9 @@ Schema (``version`` 2)::
                                              # at another world size
       "worker_seed": int | null              # persistent workers: their base seed (torch
                                              # draws it once, in the first epoch)
+      "direct_execution": bool | null        # Ray Data sources: the loader's option (its
+                                             # simple file plans run on raydl's actors, in
+                                             # runs whose blocks shape the shuffle buffer)
     }
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
@@ -73,6 +76,7 @@ class LoaderState:
     progress: list[list[int]] | None = None
     order: dict[str, Any] | None = None
     worker_seed: int | None = None
+    direct_execution: bool | None = None
     version: int = STATE_VERSION
 
     @property
@@ -118,6 +122,7 @@ class LoaderState:
         world_size: int,
         batch_size: int | None,
         elastic: bool,
+        direct_execution: bool | None = None,
     ) -> None:
         """Raise :class:`StateMismatchError` naming both values when the state does not fit.
 
@@ -130,6 +135,8 @@ class LoaderState:
         ]
         if self.version >= 2:
             pairs.append(("batch size", self.batch_size, batch_size))
+        if self.direct_execution is not None:  # absent from states of older raydl versions
+            pairs.append(("direct_execution", self.direct_execution, direct_execution))
         if self.needs_elastic(world_size) and not (elastic and self.version >= 2):
             pairs.append(("world size", self.world_size, world_size))
         for what, saved, current in pairs:

@@ -230,3 +230,21 @@ def test_batches_are_tensors_and_collate_fn_gets_numpy(folder: Path) -> None:
     assert seen == [np.ndarray] * 3
     plain.close()
     custom.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_state_names_the_execution_it_was_saved_from(folder: Path) -> None:
+    saved = RayDataLoader(
+        _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files", seed=4
+    )
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    saved.close()
+    assert state["direct_execution"] is True
+    other = RayDataLoader(
+        _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files",
+        seed=4, direct_execution=False,
+    )  # fmt: skip
+    with pytest.raises(raydl.StateMismatchError, match="direct_execution True"):
+        other.load_state_dict(state)

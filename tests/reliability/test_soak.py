@@ -255,3 +255,41 @@ def test_loaders_dropped_without_close_release_their_pipelines(leak_cleanup: Non
     gc.collect()
     assert wait_until(lambda: not _new(before), timeout=5), _new(before)
     assert wait_until(lambda: not busy_workers()), busy_workers()
+
+
+def _parse_ids(batch: dict) -> dict:  # type: ignore[type-arg]
+    return {"id": [int(b) for b in batch["bytes"]]}
+
+
+@pytest.mark.timeout(180)
+def test_fifty_early_breaks_of_a_direct_loader_leak_nothing(
+    leak_cleanup: None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A file read + function stage on the loader's own actors (``direct_execution``)."""
+    import raydl
+
+    folder = tmp_path_factory.mktemp("direct_soak")
+    for i in range(400):
+        (folder / f"{i:04d}.bin").write_bytes(str(i).encode())
+    ds = raydl.read_binary_files(str(folder)).map_batches(_parse_ids, batch_size=20)
+    loader = RayDataLoader(ds, batch_size=8, shuffle=True, shuffle_mode="files")
+    _break_early(loader, 2)  # warm-up: the loader's actors start
+    gc.collect()
+    assert wait_until(lambda: _settled(1 * MIB)), (busy_workers(), free_cpus(), _store_pinned())
+    threads_before = psutil.Process().num_threads()
+    raydl_before = raydl_threads()
+    actors_before = live_actors()
+    assert actors_before == ["DatasetWorker"] * 2
+    held = ({}, {"raydl-epoch-*-producer": 1})
+    for _ in range(10):
+        _break_early(loader, 5)
+        gc.collect()
+        # Only the last break's epoch (held for state_dict()) may still have its thread.
+        assert wait_until(lambda: _new(raydl_before) in held, timeout=5), _new(raydl_before)
+    assert wait_until(lambda: _settled(1 * MIB)), (busy_workers(), free_cpus(), _store_pinned())
+    assert psutil.Process().num_threads() <= threads_before + 3
+    assert live_actors() == actors_before  # the same two actors served every epoch
+    ids = sorted(int(i) for batch in loader for i in batch["id"].tolist())
+    assert ids == list(range(400))
+    loader.close()
+    assert wait_until(lambda: live_actors() == []), live_actors()

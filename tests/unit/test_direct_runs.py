@@ -106,5 +106,5 @@ def test_numeric_outputs_are_kept_and_others_go_through_arrow(tmp_path: Path) ->
     assert kept["image"] is image
     table = direct._as_numpy(pa.table({"s": ["a", "b"]}))
     assert table["s"].tolist() == ["a", "b"]
-    with pytest.raises(Exception, match="length|same"):  # unequal columns: Ray's own error
+    with pytest.raises(Exception, match=r"length|same"):  # unequal columns: Ray's own error
         direct._as_numpy({"a": np.arange(3), "b": np.arange(2)})
