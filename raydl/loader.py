@@ -400,6 +400,7 @@ class RayDataLoader(Iterable[Any]):
         self._pool: WorkerPool | None = None  # persistent workers
         self._parked: list[WorkerPool] = []  # idle pools of finished epochs (not persistent)
         self._direct_pool: WorkerPool | None = None  # runs simple file plans (direct.py)
+        self._epoch_direct = False  # the Ray Data epoch in progress runs on that pool
         self._iterator: Any = None
         # rank 0: the epoch's split iterators, kept alive until every rank ended the epoch
         self._splits: Any = None
@@ -526,7 +527,7 @@ class RayDataLoader(Iterable[Any]):
             else None,
             order=self._epoch_order if in_progress else None,
             worker_seed=self._worker_seed if self.persistent_workers else None,
-            direct_execution=self.options.direct_execution if self._is_ray_dataset else None,
+            direct_execution=self._epoch_direct if self._is_ray_dataset else None,
         )
         return state.to_dict()
 
@@ -593,7 +594,6 @@ class RayDataLoader(Iterable[Any]):
             world_size=self._world.world_size,
             batch_size=self.batch_size,
             elastic=self._is_ray_dataset or (not self._is_iterable and can_rebuild(state)),
-            direct_execution=self.options.direct_execution if self._is_ray_dataset else None,
         )
         self._close_iterator()
         self._next.discard()
@@ -709,13 +709,17 @@ class RayDataLoader(Iterable[Any]):
         world = self._world
         self._epoch_in_progress = epoch
         self._epoch_prior, self._epoch_order = [], None
+        self._epoch_direct = False
         skip = resume.batches_consumed if resume is not None else 0
         elastic = resume is not None and resume.needs_elastic(world.world_size)
         if not world.is_distributed and not elastic:
             early = self._next.take(epoch) if skip == 0 else None
             if early is None:
                 self._next.discard()
-                early = self._single_rank_iterator(epoch, pin, prefetch, skip)
+                # A resumed epoch runs the way it was saved (its order depends on it).
+                direct = resume.direct_execution is True if resume is not None else None
+                early = self._single_rank_iterator(epoch, pin, prefetch, skip, direct=direct)
+            self._epoch_direct = isinstance(early, DirectIterator)
             return early
         # Rank 0 plans (and splits) the epoch; every rank takes its part. Under
         # several ranks the broadcast is also where rank 0 learns that every rank
@@ -772,7 +776,7 @@ class RayDataLoader(Iterable[Any]):
             drop_last=self.drop_last,
             buffer=plan.local_shuffle_buffer_size,
             buffer_seed=plan.local_shuffle_seed,
-            direct=self.options.direct_execution,
+            direct=elastic.direct_execution is True,
         )
         if world.is_distributed:
             import ray
@@ -793,9 +797,13 @@ class RayDataLoader(Iterable[Any]):
         return ray.data.from_arrow(table), count
 
     def _single_rank_iterator(
-        self, epoch: int, pin: bool, prefetch: int, skip: int
+        self, epoch: int, pin: bool, prefetch: int, skip: int, direct: bool | None = None
     ) -> RayDatasetIterator | DirectIterator:
-        """Epoch ``epoch`` on one rank; it starts the next epoch early when allowed."""
+        """Epoch ``epoch`` on one rank; it starts the next epoch early when allowed.
+
+        ``direct``: run a simple file plan on raydl's actors (see ``direct.py``) or on
+        Ray Data; ``None``: as the ``direct_execution`` option says.
+        """
         plan = self._plan(epoch)
         start_next = None
         if self.options.overlap_epochs:
@@ -807,9 +815,11 @@ class RayDataLoader(Iterable[Any]):
                 owner = loader()
                 return owner is None or owner._start_early(epoch + 1, pin, prefetch)
 
-        direct = direct_plan(plan.dataset) if self.options.direct_execution else None
-        if direct is not None:
-            return self._direct_iterator(plan, direct, epoch, pin, prefetch, skip, start_next)
+        if direct is None:
+            direct = self.options.direct_execution
+        simple = direct_plan(plan.dataset) if direct else None
+        if simple is not None:
+            return self._direct_iterator(plan, simple, epoch, pin, prefetch, skip, start_next)
         return self._ray_iterator(
             plan.dataset,
             plan.local_shuffle_buffer_size,
@@ -840,7 +850,8 @@ class RayDataLoader(Iterable[Any]):
         if pool is None:
             # Sized once: an epoch started early shares it with the current one, so it is
             # never replaced while the loader lives (close() drops it).
-            size = direct_pool_size(direct, ray.cluster_resources().get("CPU", 1.0))
+            cpus = ray.cluster_resources().get("CPU", 1.0)
+            size = direct_pool_size(direct, cpus, plan.dataset.context)
             # No CPUs held: like torch's worker processes they compete for the machine,
             # and other Ray work (a len() that must count rows) is never locked out.
             spec = WorkerSpec(

@@ -52,8 +52,18 @@ BYTES_PER_RUN = 32 << 20
 #: local shuffle buffer, the order) does not depend on how many CPUs the cluster has.
 MIN_RUNS = 16
 
-#: ``ray_remote_args`` a stage may set and still run on raydl's actors.
-_PLAIN_REMOTE_ARGS = {"num_cpus", "max_retries", "retry_exceptions", "scheduling_strategy"}
+#: Bytes of loaded runs in flight per epoch, at most (fewer runs are sent at once once
+#: the first runs show how large a loaded run is; at least one is always in flight).
+WINDOW_BYTES = 512 << 20
+#: Listed bytes of one file, at most: a run is loaded whole in its actor (Ray Data streams
+#: a file's row groups), so plans with larger files stay on Ray Data.
+MAX_FILE_BYTES = 4 * BYTES_PER_RUN
+
+#: ``ray_remote_args`` a stage may set and still run on raydl's actors (``max_retries``:
+#: a run is retried on a fresh actor after its worker died, see ``pool.MAX_TASK_RETRIES``).
+_PLAIN_REMOTE_ARGS = {"num_cpus", "max_retries", "scheduling_strategy"}
+#: Scheduling strategies raydl's actors honour (they are spread over the nodes).
+_PLAIN_SCHEDULING = {"SPREAD", "DEFAULT"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ class Stage:
     fn_args: tuple[Any, ...]
     fn_kwargs: dict[str, Any]
     batch_size: int | None
-    batch_format: str | None
+    batch_format: Any  # Ray's resolved format: "numpy", "pandas", "pyarrow" or None
     zero_copy_batch: bool
 
     def apply(self, blocks: Iterable[Any]) -> Iterator[Any]:
@@ -76,7 +86,7 @@ class Stage:
         batches = batch_blocks(
             iter(blocks),
             batch_size=self.batch_size,
-            batch_format=self.batch_format or "default",
+            batch_format=self.batch_format,  # None: the block as it is, as Ray passes it
             ensure_copy=not self.zero_copy_batch and self.batch_size is not None,
         )
         for batch in batches:
@@ -116,7 +126,12 @@ def direct_plan(dataset: Any) -> DirectPlan | None:
         return None
     read: Any = ops[0]
     source = read.datasource_or_legacy_reader
-    if not isinstance(source, FileRunsDatasource) or set(read.ray_remote_args) - _PLAIN_REMOTE_ARGS:
+    if (
+        not isinstance(source, FileRunsDatasource)
+        or not _plain(read.ray_remote_args)
+        or getattr(read.compute, "size", None) is not None  # read concurrency capped
+        or any((size or 0) > MAX_FILE_BYTES for _, size in source._files)
+    ):
         return None
     cpus = []  # what each stage asks per task
     stages = []
@@ -127,7 +142,7 @@ def direct_plan(dataset: Any) -> DirectPlan | None:
             type(op) is not MapBatches
             or not isinstance(stage.compute, TaskPoolStrategy)
             or stage.ray_remote_args_fn is not None
-            or set(stage.ray_remote_args) - _PLAIN_REMOTE_ARGS
+            or not _plain(stage.ray_remote_args)
             or stage.fn_constructor_args
             or stage.fn_constructor_kwargs
             or getattr(stage, "per_block_limit", None) is not None
@@ -153,15 +168,27 @@ def direct_plan(dataset: Any) -> DirectPlan | None:
     # An actor runs a run's read and all its stages: the stages' CPU requests (the read's
     # when there is no stage) decide how many actors the cluster holds, the largest wins.
     num_cpus = max(cpus or [read.ray_remote_args.get("num_cpus", 1)])
-    if not num_cpus or num_cpus <= 0:
+    if not num_cpus or not 0 < num_cpus <= 1:  # a multi-threaded stage keeps Ray's threads
         return None
     names = tuple(op.name for op in ops)
     return DirectPlan(source, tuple(stages), float(num_cpus), concurrency, names)
 
 
-def pool_size(plan: DirectPlan, cluster_cpus: float) -> int:
-    """Actors for ``plan``: as many tasks as the cluster's CPUs allow at once, as Ray Data runs."""
-    size = max(1, int(cluster_cpus // plan.num_cpus))
+def _plain(remote_args: dict[str, Any]) -> bool:
+    """Whether a stage's Ray options are ones raydl's actors honour."""
+    strategy = remote_args.get("scheduling_strategy", "DEFAULT")
+    return not set(remote_args) - _PLAIN_REMOTE_ARGS and strategy in _PLAIN_SCHEDULING
+
+
+def pool_size(plan: DirectPlan, cluster_cpus: float, context: Any) -> int:
+    """Actors for ``plan``: as many tasks as Ray Data could run at once.
+
+    The cluster's CPUs, within the plan's ``execution_options`` (``resource_limits``,
+    ``exclude_resources``), over the CPUs a task asks for, capped by ``concurrency``.
+    """
+    options = context.execution_options
+    cpus = min(cluster_cpus, options.resource_limits.cpu) - options.exclude_resources.cpu
+    size = max(1, int(cpus // plan.num_cpus))
     return min(size, plan.concurrency) if plan.concurrency else size
 
 
@@ -182,6 +209,11 @@ def runs(files: Sequence[tuple[str, int | None]]) -> list[tuple[str, ...]]:
     ]
 
 
+def loaded_bytes(blocks: Sequence[dict[str, np.ndarray]]) -> int:
+    """The size of a loaded run's arrays (object arrays count their pointers only)."""
+    return sum(column.nbytes for block in blocks for column in block.values())
+
+
 def describe_run(paths: Sequence[str]) -> str:
     """Short text naming a run's files, for error messages."""
     if len(paths) <= 3:
@@ -197,12 +229,18 @@ class EpochWork:
     stages: tuple[Stage, ...]
     context: Any  # the epoch plan's ray.data.DataContext (retried errors, block sizes)
 
-    def load(self, paths: Sequence[str]) -> list[dict[str, np.ndarray]]:
-        """The run's rows after every stage, as Ray Data's numpy batches (one per output block)."""
+    def load(
+        self, paths: Sequence[str], *, own_context: bool = True
+    ) -> list[dict[str, np.ndarray]]:
+        """The run's rows after every stage, as Ray Data's numpy batches (one per output block).
+
+        ``own_context``: install the plan's ``DataContext`` while loading (in an actor;
+        not in the trainer's process, whose other threads may read the current one).
+        """
         from ray.data import DataContext
         from ray.data.block import BlockAccessor
 
-        previous = DataContext._set_current(self.context)
+        previous = DataContext._set_current(self.context) if own_context else None
         try:
             outputs: Iterable[Any] = self.source._reader(list(paths))()
             for stage in self.stages:
@@ -210,7 +248,8 @@ class EpochWork:
             batches = (_as_numpy(output) for output in outputs)
             return [batch for batch in batches if _rows(batch)]
         finally:
-            DataContext._set_current(previous)
+            if own_context:
+                DataContext._set_current(previous)
 
 
 def _rows(batch: dict[str, np.ndarray]) -> int:
@@ -269,7 +308,8 @@ class LocalRuns:
 
     Stands in for a Ray Data source where a stream of blocks is re-run to rebuild
     an interrupted epoch (elastic resume): the same runs, in the same order, give
-    the same blocks the actors gave.
+    the same blocks the actors gave. One process does the whole rest of the epoch:
+    an elastic resume of a large epoch takes that long on rank 0.
     """
 
     def __init__(self, plan: DirectPlan, context: Any) -> None:
@@ -279,4 +319,4 @@ class LocalRuns:
     def iter_batches(self, **_: Any) -> Iterator[dict[str, np.ndarray]]:
         """The epoch's blocks as numpy batches (Ray's ``batch_size=None`` iteration)."""
         for run in self._runs:
-            yield from self._work.load(run)
+            yield from self._work.load(run, own_context=False)

@@ -30,8 +30,8 @@ from typing import Any
 from torch.utils.data._utils import ExceptionWrapper
 
 from raydl._internal.convert import numpy_to_tensors
-from raydl._internal.direct import describe_run
-from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool
+from raydl._internal.direct import WINDOW_BYTES, describe_run, loaded_bytes
+from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool, stopped_error
 from raydl._internal.threads import put_until_stopped
 from raydl._internal.workers import EXHAUSTED, describe_indices
 from raydl.errors import LoaderTimeoutError, WorkerDiedError
@@ -75,12 +75,13 @@ def unwrap(result: Any) -> Any:
 class _Fetch:
     """One batch in flight: its indices, the worker loading it and how often it was retried."""
 
-    __slots__ = ("attempts", "indices", "ref", "worker_id")
+    __slots__ = ("actor", "attempts", "indices", "ref", "worker_id")
 
-    def __init__(self, ref: Any, indices: Any, worker_id: int) -> None:
+    def __init__(self, ref: Any, indices: Any, worker_id: int, actor: Any) -> None:
         self.ref = ref
         self.indices = indices
         self.worker_id = worker_id
+        self.actor = actor  # the actor it was sent to (a restart replaces it)
         self.attempts = 0
 
 
@@ -217,10 +218,12 @@ class MapStyleFetcher(_FetchLoop):
 
     def _send(self, indices: Any) -> None:
         """Send one request to the next worker, round-robin."""
+        if not self._pool.actors:
+            raise stopped_error()
         worker_id = self._next_worker
         self._next_worker = (self._next_worker + 1) % len(self._pool)
-        ref = self._pool.actors[worker_id].fetch.remote(indices)
-        self._pending.append(_Fetch(ref, indices, worker_id))
+        actor = self._pool.actors[worker_id]
+        self._pending.append(_Fetch(actor.fetch.remote(indices), indices, worker_id, actor))
 
     def _collect(self, fetch: _Fetch) -> Any:
         from ray.exceptions import RayActorError
@@ -248,16 +251,18 @@ class MapStyleFetcher(_FetchLoop):
         before B down with it; retried together, that batch would fail again each
         time and be blamed for B. Alone, it succeeds, and B is retried by itself.
         """
-        self._pool.restart(failed.worker_id)
+        actor = self._pool.restart(failed.worker_id, failed.actor)
         for fetch in self._pending:
             if fetch.worker_id == failed.worker_id:
                 fetch.ref = None
-        failed.ref = self._pool.actors[failed.worker_id].fetch.remote(failed.indices)
+        failed.actor = actor
+        failed.ref = actor.fetch.remote(failed.indices)
 
     def _resubmit_held(self, worker_id: int) -> None:
         actor = self._pool.actors[worker_id]
         for fetch in self._pending:
             if fetch.worker_id == worker_id and fetch.ref is None:
+                fetch.actor = actor
                 fetch.ref = actor.fetch.remote(fetch.indices)
 
     def _first_ready(self) -> _Fetch:
@@ -281,7 +286,9 @@ class DirectFetcher(MapStyleFetcher):
     on the bounded ``results`` queue, then :data:`DONE`. Worker deaths are
     handled as for map-style batches (a run is a pure function of its files).
     Once every run is sent, ``start_next`` is asked to start the next epoch
-    (and asked again at each block while it answers ``False``: too soon).
+    (and asked again at each block while it answers ``False``: too soon). Fewer
+    runs are in flight when loaded runs are large: at most
+    :data:`~raydl._internal.direct.WINDOW_BYTES` by the largest run seen so far.
     """
 
     def __init__(
@@ -306,6 +313,7 @@ class DirectFetcher(MapStyleFetcher):
         self._skip = skip
         self._start_next = start_next
         self.blocks = 0  # blocks received so far (for the epoch's summary)
+        self._largest = 0  # bytes of the largest loaded run so far
 
     def _put(self, item: Any) -> None:
         if not put_until_stopped(self._out, item, self._stop):
@@ -323,8 +331,9 @@ class DirectFetcher(MapStyleFetcher):
     def _blocks(self) -> Iterator[Any]:
         runs = iter(self._runs)
         sent_all = False
+        window = self._window
         while True:
-            while not sent_all and len(self._pending) < self._window:
+            while not sent_all and len(self._pending) < window:
                 run = next(runs, None)
                 if run is None:
                     sent_all = True
@@ -341,6 +350,9 @@ class DirectFetcher(MapStyleFetcher):
             self._resubmit_held(fetch.worker_id)
             blocks = unwrap(result)
             self.blocks += len(blocks)
+            largest = max(self._largest, loaded_bytes(blocks))
+            self._largest = largest
+            window = max(1, min(self._window, WINDOW_BYTES // max(1, largest)))
             yield from blocks
 
 

@@ -16,6 +16,7 @@ stream that a restart would lose, so their death is reported at once.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,14 @@ from raydl._internal.workers import DatasetWorker, WorkerSpec
 
 #: How often one batch is retried on a fresh worker after the worker loading it died.
 MAX_TASK_RETRIES = 2
+
+
+def stopped_error() -> RuntimeError:
+    """What an epoch whose pool was stopped under it (``loader.close()``) raises."""
+    return RuntimeError(
+        "this loader's Ray actors were stopped (loader.close()) while an epoch still used "
+        "them; iterate the loader again for a new epoch"
+    )
 
 
 class WorkerPool:
@@ -50,6 +59,7 @@ class WorkerPool:
         self._actor_cls = ray.remote(DatasetWorker).options(**actor_options)
         self.spec = spec
         self.restartable = restartable
+        self._restarting = threading.Lock()
         self.actors = [self._start(i) for i in range(spec.num_workers)]
 
     def _start(self, worker_id: int) -> Any:
@@ -65,13 +75,23 @@ class WorkerPool:
         for actor in self.actors:
             actor.reset.remote(spec)
 
-    def restart(self, worker_id: int) -> None:
-        """Replace a dead worker by a fresh one with the same id (``worker_init_fn`` runs again)."""
+    def restart(self, worker_id: int, dead: Any) -> Any:
+        """Replace the dead actor ``dead`` of worker ``worker_id``; the worker's actor now.
+
+        Two epochs may share a pool (an epoch started early, two live iterators) and
+        both see the same death: only the first replaces the actor, the second gets
+        that replacement (``worker_init_fn`` runs once in it).
+        """
         import ray
 
-        with contextlib.suppress(Exception):  # it is already gone
-            ray.kill(self.actors[worker_id], no_restart=True)
-        self.actors[worker_id] = self._start(worker_id)
+        with self._restarting:
+            if not self.actors:
+                raise stopped_error()
+            if self.actors[worker_id] is dead:
+                with contextlib.suppress(Exception):  # it is already gone
+                    ray.kill(dead, no_restart=True)
+                self.actors[worker_id] = self._start(worker_id)
+            return self.actors[worker_id]
 
     def __len__(self) -> int:
         return len(self.actors)

@@ -123,8 +123,8 @@ def ray_shares(
 ) -> list[pa.Table]:
     """Per new rank: its rows of the rest of the epoch, as a table.
 
-    ``direct``: the loader runs simple file plans on its own actors
-    (``direct_execution``), so a one-rank epoch is re-run the same way.
+    ``direct``: the epoch ran on raydl's own actors (``direct.py``; one rank only),
+    so its stream is rebuilt the same way: the same runs, loaded here.
     """
     import pyarrow as pa
 

@@ -25,9 +25,10 @@ Schema (``version`` 2)::
                                              # at another world size
       "worker_seed": int | null              # persistent workers: their base seed (torch
                                              # draws it once, in the first epoch)
-      "direct_execution": bool | null        # Ray Data sources: the loader's option (its
-                                             # simple file plans run on raydl's actors, in
-                                             # runs whose blocks shape the shuffle buffer)
+      "direct_execution": bool | null        # Ray Data sources: whether the epoch ran on
+                                             # raydl's actors (its blocks, and so the local
+                                             # buffer's order, differ from Ray Data's); a
+                                             # resume runs it the same way. null: Ray Data
     }
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
@@ -122,7 +123,6 @@ class LoaderState:
         world_size: int,
         batch_size: int | None,
         elastic: bool,
-        direct_execution: bool | None = None,
     ) -> None:
         """Raise :class:`StateMismatchError` naming both values when the state does not fit.
 
@@ -135,8 +135,6 @@ class LoaderState:
         ]
         if self.version >= 2:
             pairs.append(("batch size", self.batch_size, batch_size))
-        if self.direct_execution is not None:  # absent from states of older raydl versions
-            pairs.append(("direct_execution", self.direct_execution, direct_execution))
         if self.needs_elastic(world_size) and not (elastic and self.version >= 2):
             pairs.append(("world size", self.world_size, world_size))
         for what, saved, current in pairs:

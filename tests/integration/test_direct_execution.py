@@ -232,19 +232,80 @@ def test_batches_are_tensors_and_collate_fn_gets_numpy(folder: Path) -> None:
     custom.close()
 
 
-@pytest.mark.timeout(60)
-def test_a_state_names_the_execution_it_was_saved_from(folder: Path) -> None:
-    saved = RayDataLoader(
-        _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files", seed=4
-    )
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_direct", [True, False])
+def test_a_resumed_epoch_runs_the_way_it_was_saved(folder: Path, saved_direct: bool) -> None:
+    # With a local buffer the two executions give other orders: the state says which ran.
+    def loader(direct: bool) -> RayDataLoader:
+        return RayDataLoader(
+            _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files", seed=4,
+            local_shuffle_buffer_size=16, direct_execution=direct,
+        )  # fmt: skip
+
+    whole = _epoch(loader(saved_direct))[0]
+    saved = loader(saved_direct)
     it = iter(saved)
-    next(it)
-    state = saved.state_dict()
+    head = [i for _ in range(3) for i in next(it)["id"].tolist()]
+    state = json.loads(json.dumps(saved.state_dict()))
     saved.close()
-    assert state["direct_execution"] is True
-    other = RayDataLoader(
-        _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files",
-        seed=4, direct_execution=False,
+    assert state["direct_execution"] is saved_direct
+    resumed = loader(not saved_direct)
+    resumed.load_state_dict(state)
+    assert head + _epoch(resumed)[0] == whole
+    assert ("raydl actors" in _summary(resumed)) is saved_direct
+    # The next epoch runs as this loader says.
+    assert sorted(_epoch(resumed)[0]) == list(range(FILES))
+    assert ("raydl actors" in _summary(resumed)) is not saved_direct
+    resumed.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_without_a_batch_format_gets_rays_arrow_block(folder: Path) -> None:
+    import pyarrow as pa
+
+    def arrow_ids(table: pa.Table) -> pa.Table:
+        assert isinstance(table, pa.Table), type(table)
+        ids = [int(b) for b in table.column("bytes").to_pylist()]
+        return pa.table({"id": ids})
+
+    ds = raydl.read_binary_files(str(folder)).map_batches(arrow_ids, batch_format=None)
+    loader = RayDataLoader(ds, batch_size=40)
+    assert sorted(i for b in loader for i in b["id"].tolist()) == list(range(FILES))
+    assert "raydl actors" in _summary(loader)
+    loader.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_whose_actors_were_stopped_by_close_says_so(folder: Path) -> None:
+    # A small buffer: the epoch's thread is still sending runs when the actors stop.
+    loader = RayDataLoader(
+        _dataset(folder), batch_size=5, shuffle=True, shuffle_mode="files",
+        local_shuffle_buffer_size=5,
     )  # fmt: skip
-    with pytest.raises(raydl.StateMismatchError, match="direct_execution True"):
-        other.load_state_dict(state)
+    older = iter(loader)
+    next(older)
+    newer = iter(loader)  # the loader's current epoch; the older one lives on, as in torch
+    next(newer)
+    loader.close()  # stops the loader's actors
+    with pytest.raises(RuntimeError, match=r"loader.close\(\)"):
+        for _ in older:
+            pass
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_actor_seen_by_two_epochs_is_replaced_once() -> None:
+    from raydl._internal.direct import RunLoader
+    from raydl._internal.pool import WorkerPool
+    from raydl._internal.workers import WorkerSpec
+
+    spec = WorkerSpec(
+        num_workers=1, collate_fn=None, auto_collation=False, worker_init_fn=None, base_seed=0
+    )
+    pool = WorkerPool(RunLoader(), spec, restartable=True, options={"num_cpus": 0})
+    dead = pool.actors[0]
+    ray.kill(dead, no_restart=True)
+    first = pool.restart(0, dead)
+    second = pool.restart(0, dead)  # another epoch saw the same death
+    assert first is second is pool.actors[0]
+    ray.get(second.__ray_ready__.remote(), timeout=30)  # alive
+    pool.kill()
