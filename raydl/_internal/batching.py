@@ -66,6 +66,74 @@ def rebatch(blocks: Iterable[Batch], batch_size: int, drop_last: bool) -> Iterat
         yield _concat(pending)
 
 
+class _Pool:
+    """Rows held by the local shuffle buffer, as indices into the blocks they arrived in.
+
+    The buffer permutes its rows each round and keeps some back; holding them as a
+    permuted index array, not as a gathered copy, means a row is copied into its
+    batch and, now and then, into a compacted block (:attr:`SLACK`), not into a new
+    pool each round (for 224x224 images that copying took longer than the decode).
+    """
+
+    def __init__(self) -> None:
+        self._blocks: list[Batch] = []
+        self._starts = np.zeros(1, dtype=np.int64)  # global index of each block's first row
+        self.rows = np.zeros(0, dtype=np.int64)  # the held rows, in the pool's order
+
+    def add(self, block: Batch, count: int) -> None:
+        end = int(self._starts[-1])
+        self._blocks.append(block)
+        self._starts = np.append(self._starts, end + count)
+        self.rows = np.concatenate([self.rows, np.arange(end, end + count, dtype=np.int64)])
+
+    def take(self, rows: np.ndarray) -> Batch:
+        """The held rows ``rows`` (global indices) gathered into one batch."""
+        which = np.searchsorted(self._starts, rows, side="right") - 1
+        first = int(which[0]) if len(which) else 0
+        if len(which) and (which == first).all():
+            block, offset = self._blocks[first], int(self._starts[first])
+            return {name: column[rows - offset] for name, column in block.items()}
+        out: Batch = {}
+        for name, sample in self._blocks[first].items():
+            column = np.empty((len(rows), *sample.shape[1:]), dtype=sample.dtype)
+            for index in np.unique(which):
+                mask = which == index
+                block, offset = self._blocks[index], int(self._starts[index])
+                column[mask] = block[name][rows[mask] - offset]
+            out[name] = column
+        return out
+
+    #: The held rows may keep at most this many times their number of block rows alive;
+    #: beyond, they are gathered into one block (a row lingers for many rounds, and one
+    #: row keeps its whole block: 224x224 float images in blocks of 250 would otherwise
+    #: keep about 25 blocks, gigabytes, for a 1,024-row buffer).
+    SLACK = 3
+
+    def keep(self, rows: np.ndarray) -> None:
+        """Hold only ``rows``, in that order; blocks no row refers to are let go."""
+        self.rows = rows
+        if not len(rows):
+            self._blocks, self._starts = [], np.zeros(1, dtype=np.int64)
+            return
+        used = np.unique(np.searchsorted(self._starts, rows, side="right") - 1)
+        sizes = np.diff(self._starts)[used]
+        if sizes.sum() > self.SLACK * len(rows):
+            compact = self.take(rows)
+            self._blocks = [compact]
+            self._starts = np.array([0, len(rows)], dtype=np.int64)
+            self.rows = np.arange(len(rows), dtype=np.int64)
+            return
+        if len(used) == len(self._blocks):
+            return
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        shift = np.zeros(len(self._blocks), dtype=np.int64)
+        shift[used] = self._starts[used] - starts[:-1]
+        which = np.searchsorted(self._starts, rows, side="right") - 1
+        self.rows = rows - shift[which]
+        self._blocks = [self._blocks[i] for i in used]
+        self._starts = starts
+
+
 def shuffle_rebatch(
     blocks: Iterable[Batch], batch_size: int, drop_last: bool, buffer: int, seed: int | None
 ) -> Iterator[Batch]:
@@ -74,35 +142,30 @@ def shuffle_rebatch(
     Rows are pooled until ``buffer + batch_size`` are held; the pool is permuted
     and all but ``buffer`` rows (a whole number of batches) go out; the rest stay
     for the next round. At the end the pool is permuted and drained. The batch
-    count is that of :func:`rebatch`: only the order differs.
+    count is that of :func:`rebatch`: only the order differs. Each row is copied
+    once, into its batch (:class:`_Pool`).
     """
     rng = np.random.default_rng(seed)
-    pool: list[Batch] = []
-    held = 0
+    pool = _Pool()
     for block in blocks:
         rows = _rows(block)
         if rows == 0:
             continue
-        pool.append(block)
-        held += rows
+        pool.add(block, rows)
+        held = len(pool.rows)
         if held >= buffer + batch_size:
-            pooled, order = _concat(pool), rng.permutation(held)
+            order = pool.rows[rng.permutation(held)]
             out = (held - buffer) // batch_size * batch_size
             for start in range(0, out, batch_size):
-                yield _take(pooled, order[start : start + batch_size])
-            pool, held = [_take(pooled, order[out:held])], held - out
+                yield pool.take(order[start : start + batch_size])
+            pool.keep(order[out:])
+    held = len(pool.rows)
     if held:
-        pooled, order = _concat(pool), rng.permutation(held)
+        order = pool.rows[rng.permutation(held)]
         for start in range(0, held, batch_size):
             stop = min(start + batch_size, held)
             if stop - start == batch_size or not drop_last:
-                yield _take(pooled, order[start:stop])
-
-
-def _take(batch: Batch, rows: np.ndarray) -> Batch:
-    # Gathered per batch, not the whole permuted pool at once: the same rows, but no
-    # burst of several milliseconds holding the GIL while the training step waits.
-    return {name: column[rows] for name, column in batch.items()}
+                yield pool.take(order[start:stop])
 
 
 def cut_batches(

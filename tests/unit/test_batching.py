@@ -84,3 +84,87 @@ def test_shuffle_rebatch_mixes_rows_from_beyond_one_block() -> None:
     """With a buffer larger than a block, the first batch draws from several blocks."""
     first = next(shuffle_rebatch(_blocks([10] * 20), 10, False, 50, seed=0))
     assert len({int(i) // 10 for i in first["id"]}) > 1
+
+
+def _copying_shuffle_rebatch(
+    blocks: list[dict[str, np.ndarray]], batch_size: int, drop_last: bool, buffer: int, seed: int
+) -> list[dict[str, np.ndarray]]:
+    """The buffer as first written: the pool concatenated and gathered each round."""
+
+    def concat(pool: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        return {k: np.concatenate([p[k] for p in pool]) for k in pool[0]}
+
+    def take(batch: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v[rows] for k, v in batch.items()}
+
+    rng = np.random.default_rng(seed)
+    out, pool, held = [], [], 0
+    for block in blocks:
+        rows = len(block["id"])
+        if rows == 0:
+            continue
+        pool.append(block)
+        held += rows
+        if held >= buffer + batch_size:
+            pooled, order = concat(pool), rng.permutation(held)
+            cut = (held - buffer) // batch_size * batch_size
+            out += [take(pooled, order[s : s + batch_size]) for s in range(0, cut, batch_size)]
+            pool, held = [take(pooled, order[cut:held])], held - cut
+    if held:
+        pooled, order = concat(pool), rng.permutation(held)
+        for s in range(0, held, batch_size):
+            if min(s + batch_size, held) - s == batch_size or not drop_last:
+                out.append(take(pooled, order[s : s + batch_size]))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_shuffle_rebatch_gives_the_batches_of_the_copying_buffer_it_replaced() -> None:
+    # The pool holds indices, not gathered copies; states saved before must resume the same.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        blocks, start = [], 0
+        for _ in range(int(rng.integers(0, 8))):
+            n = int(rng.integers(0, 40))
+            blocks.append(
+                {
+                    "id": np.arange(start, start + n),
+                    "x": rng.random((n, 2, 3)).astype(np.float32),
+                    "s": np.array([f"r{i}" for i in range(start, start + n)], dtype=object),
+                }
+            )
+            start += n
+        args = (int(rng.integers(1, 12)), bool(rng.integers(0, 2)), int(rng.integers(1, 50)))
+        seed = int(rng.integers(0, 100))
+        expected = _copying_shuffle_rebatch(blocks, *args, seed)
+        got = list(shuffle_rebatch(iter(blocks), *args, seed))
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            for name in b:
+                assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape
+                assert (a[name] == b[name]).all()
+
+
+@pytest.mark.timeout(60)
+def test_shuffle_rebatch_copies_rows_rarely_and_holds_few_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from raydl._internal import batching
+
+    copied = 0
+    real = batching._Pool.take
+
+    def counting(self: batching._Pool, rows: np.ndarray) -> dict[str, np.ndarray]:
+        nonlocal copied
+        copied += len(rows)
+        # the blocks alive hold at most SLACK times the rows held (80 here), plus one block
+        alive = int(self._starts[-1])
+        assert alive <= batching._Pool.SLACK * (64 + 16) + 32, alive
+        return real(self, rows)
+
+    blocks = [{"id": np.arange(i * 32, (i + 1) * 32)} for i in range(200)]
+    monkeypatch.setattr(batching._Pool, "take", counting)
+    ids = [i for b in shuffle_rebatch(iter(blocks), 16, False, 64, 1) for i in b["id"]]
+    assert sorted(ids) == list(range(6400))
+    # Into its batch, and sometimes into a compacted block (the copying buffer: 3-4 times).
+    assert 6400 < copied <= 2 * 6400, copied
