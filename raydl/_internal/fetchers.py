@@ -350,9 +350,8 @@ class DirectFetcher(MapStyleFetcher):
             self._resubmit_held(fetch.worker_id)
             blocks = unwrap(result)
             self.blocks += len(blocks)
-            largest = max(self._largest, loaded_bytes(blocks))
-            self._largest = largest
-            window = max(1, min(self._window, WINDOW_BYTES // max(1, largest)))
+            self._largest = max(self._largest, loaded_bytes(blocks))
+            window = max(1, min(self._window, WINDOW_BYTES // max(1, self._largest)))
             yield from blocks
 
 

@@ -67,7 +67,7 @@ def test_a_file_read_and_its_functions_run_on_the_loaders_own_actors(folder: Pat
     assert os.getpid() not in pids[0]
     assert "on 2 raydl actors" in _summary(loader)
     loader.close()  # its actors go
-    assert all(actor is None for actor in [loader._direct_pool])
+    assert loader._direct_pool is None
     # And the next iteration starts a new pool.
     assert sorted(_epoch(loader)[0]) == list(range(FILES))
     loader.close()
