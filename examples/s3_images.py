@@ -151,7 +151,7 @@ def main() -> None:
 
     server = None
     if args.endpoint is None:
-        from raydl._internal.testing_s3 import SeaweedServer
+        from raydl.testing.s3 import SeaweedServer
 
         server = SeaweedServer.start(bucket=args.bucket)
         storage_options = server.storage_options

@@ -4,7 +4,7 @@ Example:
     >>> from raydl import RayDataLoader as DataLoader  # the one-line change
 """
 
-from raydl._internal.world import World
+from raydl._internal.runtime.world import World
 from raydl.errors import (
     LoaderTimeoutError,
     RayDLError,

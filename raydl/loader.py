@@ -29,33 +29,33 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
-from raydl._internal import cluster
-from raydl._internal.device import DevicePrefetcher, resolve_device
-from raydl._internal.direct import DirectPlan, RunLoader, direct_plan
-from raydl._internal.direct import pool_size as direct_pool_size
-from raydl._internal.direct import runs as direct_runs
-from raydl._internal.elastic import batch_counts
-from raydl._internal.iterators import (
-    DirectIterator,
-    IterableIterator,
-    MapStyleIterator,
-    RayDatasetIterator,
-)
-from raydl._internal.metrics import EpochStats, summarize
-from raydl._internal.overlap import NextEpoch
-from raydl._internal.plan import SHUFFLE_MODES, EpochPlan, plan_epoch, stage_names
-from raydl._internal.pool import WorkerPool
-from raydl._internal.resume import (
+from raydl._internal.epochs.direct import DirectPlan, RunLoader, direct_plan
+from raydl._internal.epochs.direct import pool_size as direct_pool_size
+from raydl._internal.epochs.direct import runs as direct_runs
+from raydl._internal.epochs.elastic import batch_counts
+from raydl._internal.epochs.overlap import NextEpoch
+from raydl._internal.epochs.plan import SHUFFLE_MODES, EpochPlan, plan_epoch, stage_names
+from raydl._internal.epochs.resume import (
     ShareHolder,
     can_rebuild,
     map_style_share,
     ray_shares,
     sampler_spec,
 )
-from raydl._internal.shuffle import rank_seed, seed_from_torch
-from raydl._internal.state import LoaderState, decode_rng, encode_rng
-from raydl._internal.workers import WorkerSpec
-from raydl._internal.world import Channel, World
+from raydl._internal.epochs.shuffle import rank_seed, seed_from_torch
+from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
+from raydl._internal.runtime import cluster
+from raydl._internal.runtime.world import Channel, World
+from raydl._internal.stream.device import DevicePrefetcher, resolve_device
+from raydl._internal.stream.iterators import (
+    DirectIterator,
+    IterableIterator,
+    MapStyleIterator,
+    RayDatasetIterator,
+)
+from raydl._internal.stream.metrics import EpochStats, summarize
+from raydl._internal.workers.pool import WorkerPool
+from raydl._internal.workers.worker import WorkerSpec
 from raydl.pipelines import PerEpoch
 
 if TYPE_CHECKING:
@@ -547,7 +547,7 @@ class RayDataLoader(Iterable[Any]):
             >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP
             0.013
         """
-        from raydl._internal import skips
+        from raydl._internal.io import skips
 
         return {**summarize(self._stats), "skipped_files": skips.snapshot()}
 

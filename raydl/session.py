@@ -8,9 +8,9 @@ on every rank, and the ranks can no longer share one pipeline.
 
 from __future__ import annotations
 
-from raydl._internal import cluster
-from raydl._internal.overlap import discard_all
-from raydl._internal.world import World
+from raydl._internal.epochs.overlap import discard_all
+from raydl._internal.runtime import cluster
+from raydl._internal.runtime.world import World
 
 __all__ = ["init", "shutdown"]
 

@@ -3,7 +3,7 @@
 Each reader resolves ``paths`` (``s3://``, ``gs://``, ``file://``, plain local
 paths, or any fsspec protocol) with ``storage_options`` into an fsspec
 filesystem, bridges it to pyarrow with retries and an optional local disk cache
-(:mod:`raydl._internal.fs`), and hands it to Ray Data's own reader. The result is
+(:mod:`raydl._internal.io.fs`), and hands it to Ray Data's own reader. The result is
 a ``ray.data.Dataset`` plan: nothing is read until it is iterated (for example by
 :class:`raydl.RayDataLoader`), and ``map_batches``/``filter`` work as usual.
 
@@ -17,7 +17,7 @@ Bad files: with the default ``on_bad_file="raise"``, a file that cannot be read
 or decoded (corrupt or truncated parquet, a non-image among images, an empty
 file) fails the read with an error naming it. With ``on_bad_file="skip"`` that
 file is left out whole, a warning names it, and it is recorded in a ledger
-(``raydl._internal.skips.snapshot()``); a remote that stays down is never a
+(``raydl._internal.io.skips.snapshot()``); a remote that stays down is never a
 reason to skip (:class:`RemoteReadError` is raised).
 
 The filesystem must be reachable from every Ray worker: ``memory://`` holds its
@@ -37,9 +37,8 @@ import fsspec
 import pyarrow.fs as pafs
 from fsspec.utils import get_protocol
 
-from raydl._internal import cluster
-from raydl._internal.cache import CacheConfig, CacheStats, DiskCache, as_cache_config
-from raydl._internal.fs import (
+from raydl._internal.io.cache import CacheConfig, CacheStats, DiskCache, as_cache_config
+from raydl._internal.io.fs import (
     LISTING_THREADS,
     RemoteHandler,
     RetryPolicy,
@@ -47,13 +46,14 @@ from raydl._internal.fs import (
     list_files,
     to_pyarrow,
 )
+from raydl._internal.runtime import cluster
 from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import ray.data
 
-    from raydl._internal.parquet import Footer
+    from raydl._internal.io.parquet import Footer
 
 __all__ = [
     "CacheConfig",
@@ -121,7 +121,7 @@ def resolve_filesystem(
     """The paths without their scheme and the pyarrow filesystem to read them with.
 
     Local paths without a cache are read with pyarrow's native local filesystem;
-    everything else goes through :class:`raydl._internal.fs.RemoteHandler`.
+    everything else goes through :class:`raydl._internal.io.fs.RemoteHandler`.
 
     Example:
         >>> paths, fs = resolve_filesystem("/tmp/data.parquet")
@@ -237,7 +237,7 @@ def read_parquet(
     """
     import ray.data
 
-    from raydl._internal import skips
+    from raydl._internal.io import skips
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
@@ -259,7 +259,7 @@ def read_parquet(
     options = {k: v for k, v in ray_options.items() if k not in _LISTING_OPTIONS}
     if targets and set(options) <= _PARQUET_RUN_OPTIONS:
         # raydl's own reader: several files per task, cut after the epoch's file order.
-        from raydl._internal.parquet import ParquetFilesDatasource, read_tasks_for
+        from raydl._internal.io.parquet import ParquetFilesDatasource, read_tasks_for
 
         footers = parquet_footers(_footer_filesystem(fs), targets)
         schema = options.pop("schema", None) or unify_parquet_schemas(
@@ -360,7 +360,7 @@ def _bad_parquet_files(
     With ``"skip"`` every footer is read (in parallel threads); the bad files are
     warned about and recorded in the skip ledger.
     """
-    from raydl._internal import skips
+    from raydl._internal.io import skips
 
     if policy == "raise":
         empty = [path for path, size in files if size == 0]
@@ -402,7 +402,7 @@ def parquet_footers(fs: pafs.FileSystem, paths: Sequence[str]) -> list[Footer]:
     """
     import pyarrow.parquet as pq
 
-    from raydl._internal.parquet import Footer
+    from raydl._internal.io.parquet import Footer
 
     def read_footer(path: str) -> Footer:
         try:
@@ -515,7 +515,7 @@ def read_images(
     """
     import ray.data
 
-    from raydl._internal import skips
+    from raydl._internal.io import skips
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
@@ -574,7 +574,7 @@ def read_binary_files(
             ``partition_filter`` (raydl's listing applies them) and
             ``override_num_blocks``, ``concurrency``, ``num_cpus``, ``memory``,
             ``ray_remote_args`` (of the read tasks). With these, raydl reads many
-            files per task itself (``_internal/files.py``: Ray's reader costs
+            files per task itself (``_internal/io/files.py``: Ray's reader costs
             about 1 ms of CPU per file); any other option (``partitioning``,
             ``shuffle``, ...) hands the read to ``ray.data.read_binary_files``.
 
@@ -588,7 +588,7 @@ def read_binary_files(
     """
     import ray.data
 
-    from raydl._internal import skips
+    from raydl._internal.io import skips
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
@@ -597,7 +597,7 @@ def read_binary_files(
     cluster.ensure_ray()
     if set(ray_options) <= _FILE_LIST_OPTIONS:
         # raydl's own reader: many files per task (Ray's costs ~1 ms of CPU per file).
-        from raydl._internal.files import FileListDatasource
+        from raydl._internal.io.files import FileListDatasource
 
         files = list_files(
             fs,
@@ -644,7 +644,7 @@ def _read_skipping(
     """
     import ray.data
 
-    from raydl._internal import skips
+    from raydl._internal.io import skips
 
     read_params = set(inspect.signature(ray.data.read_datasource).parameters)
     read_params -= {"datasource", "read_args"}

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import ray
 
-from raydl._internal.cluster import ensure_ray
-from raydl._internal.overlap import discard_all as discard_early_epochs
+from raydl._internal.epochs.overlap import discard_all as discard_early_epochs
+from raydl._internal.runtime.cluster import ensure_ray
 
 
 @contextlib.contextmanager

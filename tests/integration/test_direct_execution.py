@@ -14,10 +14,10 @@ import torch
 
 import raydl
 from raydl import RayDataLoader
-from raydl._internal.direct import direct_plan
-from raydl._internal.plan import plan_epoch
-from raydl._internal.resume import ray_shares
-from raydl._internal.state import LoaderState
+from raydl._internal.epochs.direct import direct_plan
+from raydl._internal.epochs.plan import plan_epoch
+from raydl._internal.epochs.resume import ray_shares
+from raydl._internal.epochs.state import LoaderState
 
 FILES = 120
 
@@ -294,9 +294,9 @@ def test_an_epoch_whose_actors_were_stopped_by_close_says_so(folder: Path) -> No
 
 @pytest.mark.timeout(60)
 def test_a_dead_actor_seen_by_two_epochs_is_replaced_once() -> None:
-    from raydl._internal.direct import RunLoader
-    from raydl._internal.pool import WorkerPool
-    from raydl._internal.workers import WorkerSpec
+    from raydl._internal.epochs.direct import RunLoader
+    from raydl._internal.workers.pool import WorkerPool
+    from raydl._internal.workers.worker import WorkerSpec
 
     spec = WorkerSpec(
         num_workers=1, collate_fn=None, auto_collation=False, worker_init_fn=None, base_seed=0

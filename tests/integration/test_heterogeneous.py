@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from raydl import RayDataLoader
-from raydl._internal.overlap import discard_all as discard_early_epochs
+from raydl._internal.epochs.overlap import discard_all as discard_early_epochs
 
 ROWS = 48
 
@@ -23,8 +23,8 @@ def ray_cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from raydl._internal import cluster as raydl_cluster
-    from raydl._internal import env
+    from raydl._internal.runtime import cluster as raydl_cluster
+    from raydl._internal.runtime import env
 
     if env.ensure_token_auth_mode():
         from ray._raylet import Config  # type: ignore[attr-defined]

@@ -346,7 +346,7 @@ def test_stats_carry_ray_data_stage_summary_progress_and_log(
 @pytest.mark.timeout(30)
 def test_epoch_plans_bound_task_retries_and_keep_the_users_stages() -> None:
     """Ray Data retries a dead worker's task forever; raydl's epoch plans at most STAGE_RETRIES."""
-    from raydl._internal.plan import STAGE_RETRIES, bound_retries
+    from raydl._internal.epochs.plan import STAGE_RETRIES, bound_retries
 
     ds = (
         ray.data.range(N)
@@ -377,7 +377,7 @@ class _Identity:
 @pytest.mark.timeout(60)
 def test_an_epochs_executor_refreshes_its_resource_limits_promptly() -> None:
     """The hook on Ray Data's executor is in place (a Ray upgrade that renames it fails here)."""
-    from raydl._internal.iterators import LIMITS_REFRESH_S, _RayIteration
+    from raydl._internal.stream.iterators import LIMITS_REFRESH_S, _RayIteration
 
     iteration = _RayIteration(ray.data.range(N, override_num_blocks=2))
     batches = iteration.iterator.iter_batches(batch_size=None)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import ray
 
-from raydl._internal import env
+from raydl._internal.runtime import env
 
 CLIENT = """
 import ray, sys

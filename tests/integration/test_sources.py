@@ -20,8 +20,8 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 import raydl
-from raydl._internal.cache import DiskCache
-from raydl._internal.fs import RemoteHandler, list_files
+from raydl._internal.io.cache import DiskCache
+from raydl._internal.io.fs import RemoteHandler, list_files
 from raydl.sources import (
     CacheConfig,
     RemoteReadError,
@@ -318,7 +318,7 @@ def test_list_files_follows_ray_rules(tmp_path: Path) -> None:
 def test_binary_files_are_read_many_per_task_and_shuffled_per_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raydl._internal import files as file_source
+    from raydl._internal.io import files as file_source
 
     per_task = 512  # fewer files than the default bound, for a quick test
     monkeypatch.setattr(file_source.FileListDatasource, "max_files_per_task", per_task)

@@ -27,7 +27,7 @@ import pytest
 import ray
 from _private_ray import private_ray
 
-from raydl._internal import env as raydl_env
+from raydl._internal.runtime import env as raydl_env
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 

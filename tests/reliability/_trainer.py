@@ -20,7 +20,7 @@ import raydl
 
 def main(mode: str) -> None:
     if os.environ.get("RAYDL_TEST_NO_REAPER"):  # to see what the test catches without the fix
-        from raydl._internal import reaper
+        from raydl._internal.runtime import reaper
 
         reaper.start = lambda *args: None
     raydl.init(num_cpus=2)

@@ -38,7 +38,7 @@ def ray_cluster() -> Iterator[None]:
     """A 2-CPU private Ray instance shared by the tests of one module.
 
     On the way out it also checks that raydl's watcher of the embedded instance
-    (``raydl/_internal/reaper.py``) exits with it.
+    (``raydl/_internal/runtime/reaper.py``) exits with it.
     """
     with private_ray(num_cpus=2):
         yield

@@ -21,7 +21,7 @@ from _private_ray import private_ray
 
 import raydl
 from raydl import sources
-from raydl._internal import skips
+from raydl._internal.io import skips
 
 ROWS_PER_FILE = 10
 
@@ -81,7 +81,7 @@ def test_snapshot_is_empty_before_any_skip() -> None:
 
 @pytest.mark.timeout(120)
 def test_snapshot_is_empty_without_ray() -> None:
-    code = "from raydl._internal.skips import snapshot; assert snapshot() == []; print('ok')"
+    code = "from raydl._internal.io.skips import snapshot; assert snapshot() == []; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 

@@ -22,9 +22,9 @@ from _private_ray import private_ray
 
 import raydl
 from raydl import sources
-from raydl._internal import skips
-from raydl._internal.testing_s3 import SeaweedServer
+from raydl._internal.io import skips
 from raydl.sources import RemoteReadError, RetryPolicy
+from raydl.testing.s3 import SeaweedServer
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _private_ray import private_ray
 
-from raydl._internal.testing_s3 import SeaweedServer
+from raydl.testing.s3 import SeaweedServer
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ import pytest
 
 import raydl
 from raydl import sources
-from raydl._internal.testing_s3 import SeaweedServer
 from raydl.sources import CacheConfig, label_from_path
+from raydl.testing.s3 import SeaweedServer
 
 pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("ray_instance")]
 

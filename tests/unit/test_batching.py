@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raydl._internal.batching import rebatch, shuffle_rebatch
+from raydl._internal.stream.batching import rebatch, shuffle_rebatch
 
 
 def _blocks(sizes: list[int]) -> list[dict[str, np.ndarray]]:
@@ -149,7 +149,7 @@ def test_shuffle_rebatch_gives_the_batches_of_the_copying_buffer_it_replaced() -
 def test_shuffle_rebatch_copies_rows_rarely_and_holds_few_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from raydl._internal import batching
+    from raydl._internal.stream import batching
 
     copied = 0
     real = batching._Pool.take

@@ -1,4 +1,4 @@
-"""raydl._internal.convert: batches cross the Ray object store as numpy and come back as tensors."""
+"""raydl._internal.workers.convert: batches cross the Ray object store as numpy and come back as tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from raydl._internal.convert import (
+from raydl._internal.workers.convert import (
     array_to_tensor,
     numpy_batch_to_tensors,
     numpy_to_tensors,

@@ -11,9 +11,9 @@ import pyarrow.fs as pafs
 import pytest
 from ray.data import DataContext
 
-from raydl._internal import direct
-from raydl._internal.direct import EpochWork, Stage, runs
-from raydl._internal.files import FileListDatasource
+from raydl._internal.epochs import direct
+from raydl._internal.epochs.direct import EpochWork, Stage, runs
+from raydl._internal.io.files import FileListDatasource
 
 
 def _listed(count: int, size: int | None) -> list[tuple[str, int | None]]:

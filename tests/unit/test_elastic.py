@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from raydl._internal import elastic
+from raydl._internal.epochs import elastic
 
 pytestmark = pytest.mark.timeout(60)
 

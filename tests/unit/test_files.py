@@ -12,8 +12,8 @@ import pyarrow.fs as pafs
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from raydl._internal import files
-from raydl._internal.files import FileListDatasource
+from raydl._internal.io import files
+from raydl._internal.io.files import FileListDatasource
 
 
 def _source(count: int, size: int | None) -> FileListDatasource:

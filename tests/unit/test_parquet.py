@@ -10,8 +10,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from raydl._internal import parquet
-from raydl._internal.parquet import Footer, ParquetFilesDatasource, conform, read_tasks_for
+from raydl._internal.io import parquet
+from raydl._internal.io.parquet import Footer, ParquetFilesDatasource, conform, read_tasks_for
 
 MIB = 1 << 20
 

@@ -1,11 +1,11 @@
-"""raydl._internal.shuffle: seeds are pure functions of (seed, epoch, stream)."""
+"""raydl._internal.epochs.shuffle: seeds are pure functions of (seed, epoch, stream)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from raydl._internal.shuffle import epoch_seed, seed_from_torch
+from raydl._internal.epochs.shuffle import epoch_seed, seed_from_torch
 
 pytestmark = pytest.mark.timeout(30)
 

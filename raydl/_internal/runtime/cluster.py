@@ -14,7 +14,7 @@ worker processes do not believe they are rank 0. Joiners give up on a vanished
 rank-0 cluster after a few seconds instead of Ray's 60.
 
 If the process that started the embedded instance is killed, a small watcher
-process (:mod:`raydl._internal.reaper`) stops the instance's processes that
+process (:mod:`raydl._internal.runtime.reaper`) stops the instance's processes that
 would otherwise linger for a minute.
 """
 
@@ -27,8 +27,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from raydl._internal import env, reaper
-from raydl._internal.world import Channel, World
+from raydl._internal.runtime import env, reaper
+from raydl._internal.runtime.world import Channel, World
 from raydl.errors import RayDLError
 
 #: Seconds a joining rank waits for rank 0's cluster to come back before giving up.

@@ -1,4 +1,4 @@
-"""A pool of :class:`~raydl._internal.workers.DatasetWorker` Ray actors.
+"""A pool of :class:`~raydl._internal.workers.worker.DatasetWorker` Ray actors.
 
 The dataset is pickled once into the object store; each actor unpickles its
 own copy (writable, as in a torch worker process). The pool holds the
@@ -23,8 +23,8 @@ from typing import Any
 from ray import cloudpickle  # Ray's own copy: the workers unpickle with it too
 from torch.utils.data import Dataset
 
-from raydl._internal.cluster import is_connected
-from raydl._internal.workers import DatasetWorker, WorkerSpec
+from raydl._internal.runtime.cluster import is_connected
+from raydl._internal.workers.worker import DatasetWorker, WorkerSpec
 
 #: How often one batch is retried on a fresh worker after the worker loading it died.
 MAX_TASK_RETRIES = 2

@@ -29,11 +29,11 @@ from typing import Any
 
 from torch.utils.data._utils import ExceptionWrapper
 
-from raydl._internal.convert import numpy_to_tensors
-from raydl._internal.direct import WINDOW_BYTES, describe_run, loaded_bytes
-from raydl._internal.pool import MAX_TASK_RETRIES, WorkerPool, stopped_error
-from raydl._internal.threads import put_until_stopped
-from raydl._internal.workers import EXHAUSTED, describe_indices
+from raydl._internal.epochs.direct import WINDOW_BYTES, describe_run, loaded_bytes
+from raydl._internal.stream.threads import put_until_stopped
+from raydl._internal.workers.convert import numpy_to_tensors
+from raydl._internal.workers.pool import MAX_TASK_RETRIES, WorkerPool, stopped_error
+from raydl._internal.workers.worker import EXHAUSTED, describe_indices
 from raydl.errors import LoaderTimeoutError, WorkerDiedError
 
 #: How long one wait inside Ray lasts before the thread looks at ``stop`` (and at new requests).
@@ -152,7 +152,7 @@ class MapStyleFetcher(_FetchLoop):
 
     A worker that dies mid-epoch (SIGKILL, OOM) is replaced and its fetches are sent
     again (a fetch is a pure function of its indices), at most
-    :data:`~raydl._internal.pool.MAX_TASK_RETRIES` times per batch.
+    :data:`~raydl._internal.workers.pool.MAX_TASK_RETRIES` times per batch.
     """
 
     def __init__(
@@ -278,7 +278,7 @@ class MapStyleFetcher(_FetchLoop):
 
 
 class DirectFetcher(MapStyleFetcher):
-    """The body of a direct epoch's thread (see :mod:`~raydl._internal.direct`).
+    """The body of a direct epoch's thread (see :mod:`~raydl._internal.epochs.direct`).
 
     Sends the epoch's runs of files to the pool's actors, ``window`` in flight,
     takes their blocks in order, cuts them into batches with ``cut``, drops the
@@ -288,7 +288,7 @@ class DirectFetcher(MapStyleFetcher):
     Once every run is sent, ``start_next`` is asked to start the next epoch
     (and asked again at each block while it answers ``False``: too soon). Fewer
     runs are in flight when loaded runs are large: at most
-    :data:`~raydl._internal.direct.WINDOW_BYTES` by the largest run seen so far.
+    :data:`~raydl._internal.epochs.direct.WINDOW_BYTES` by the largest run seen so far.
     """
 
     def __init__(

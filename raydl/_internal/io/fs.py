@@ -8,7 +8,7 @@ fsspec filesystem with ``PyFileSystem(FSSpecHandler(fs))``. raydl's handler
   that restarts within the budget costs a delay, not the epoch;
 * an error that names the endpoint and the object key when the budget runs out
   (:class:`RemoteReadError`);
-* optionally, a local disk cache of whole objects (:mod:`raydl._internal.cache`);
+* optionally, a local disk cache of whole objects (:mod:`raydl._internal.io.cache`);
 * a recursive listing of a prefix that lists its immediate sub-prefixes (one
   level, e.g. ``train/<label>/``) in parallel threads instead of paging through
   the whole prefix serially.
@@ -39,7 +39,7 @@ from raydl.errors import RemoteReadError
 if TYPE_CHECKING:
     import fsspec
 
-    from raydl._internal.cache import DiskCache
+    from raydl._internal.io.cache import DiskCache
 
 __all__ = [
     "LISTING_THREADS",

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from raydl._internal.fs import RemoteHandler
+    from raydl._internal.io.fs import RemoteHandler
 
 __all__ = ["CacheConfig", "CacheStats", "DiskCache"]
 

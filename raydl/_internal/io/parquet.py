@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from ray.data.block import BlockMetadata
 
-from raydl._internal.files import FileRunsDatasource, naming
+from raydl._internal.io.files import FileRunsDatasource, naming
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs

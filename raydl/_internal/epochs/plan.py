@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raydl._internal.shuffle import epoch_seed
+from raydl._internal.epochs.shuffle import epoch_seed
 
 if TYPE_CHECKING:
     import ray.data
@@ -153,7 +153,7 @@ def fuse_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
     except ImportError:  # pragma: no cover - Ray moved its internals: stages stay unfused
         return dataset
 
-    from raydl._internal.files import FileRunsDatasource
+    from raydl._internal.io.files import FileRunsDatasource
 
     def unbundled(op: Any) -> Any:
         given: Any = op  # Ray sets a stage's fields dynamically: mypy cannot see them

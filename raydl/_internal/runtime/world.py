@@ -14,7 +14,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from raydl._internal import env
+from raydl._internal.runtime import env
 from raydl.errors import RayDLError
 
 

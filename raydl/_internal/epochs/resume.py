@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
-from raydl._internal import elastic
-from raydl._internal.batching import ray_batches
-from raydl._internal.direct import LocalRuns, direct_plan
-from raydl._internal.shuffle import rank_seed
-from raydl._internal.state import LoaderState, decode_rng
+from raydl._internal.epochs import elastic
+from raydl._internal.epochs.direct import LocalRuns, direct_plan
+from raydl._internal.epochs.shuffle import rank_seed
+from raydl._internal.epochs.state import LoaderState, decode_rng
+from raydl._internal.stream.batching import ray_batches
 
 if TYPE_CHECKING:
     import pyarrow as pa

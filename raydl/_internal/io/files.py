@@ -29,7 +29,7 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from raydl._internal import skips
+from raydl._internal.io import skips
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs

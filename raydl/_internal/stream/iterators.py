@@ -28,10 +28,10 @@ from typing import Any
 
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
-from raydl._internal.batching import cut_batches, ray_batches
-from raydl._internal.cluster import is_connected
-from raydl._internal.convert import numpy_batch_to_tensors
-from raydl._internal.fetchers import (
+from raydl._internal.epochs.plan import STAGE_RETRIES
+from raydl._internal.runtime.cluster import is_connected
+from raydl._internal.stream.batching import cut_batches, ray_batches
+from raydl._internal.stream.fetchers import (
     DONE,
     END_OF_REQUESTS,
     DirectFetcher,
@@ -41,10 +41,10 @@ from raydl._internal.fetchers import (
     take,
     timeout_error,
 )
-from raydl._internal.metrics import EpochStats, logger
-from raydl._internal.plan import STAGE_RETRIES
-from raydl._internal.pool import WorkerPool
-from raydl._internal.threads import put_until_stopped
+from raydl._internal.stream.metrics import EpochStats, logger
+from raydl._internal.stream.threads import put_until_stopped
+from raydl._internal.workers.convert import numpy_batch_to_tensors
+from raydl._internal.workers.pool import WorkerPool
 from raydl.errors import WorkerDiedError
 
 
@@ -142,7 +142,7 @@ class _BaseIterator(Iterator[Any]):
 
 
 class _ThreadFed(_BaseIterator):
-    """An epoch whose batches a fetch thread (see :mod:`~raydl._internal.fetchers`) queues."""
+    """An epoch whose batches a fetch thread (see :mod:`~raydl._internal.stream.fetchers`) queues."""
 
     _thread: threading.Thread | None = None  # None until started
     _done = False  # the thread's DONE was taken: every later next() is StopIteration
@@ -183,7 +183,7 @@ class MapStyleIterator(_ThreadFed):
 
     The sampler is iterated here, on the trainer's thread, as torch does: a request
     per batch taken (after the first ``num_workers * prefetch_factor``). A
-    :class:`~raydl._internal.fetchers.MapStyleFetcher` thread sends them to the
+    :class:`~raydl._internal.stream.fetchers.MapStyleFetcher` thread sends them to the
     workers and queues the converted results.
     """
 
@@ -246,7 +246,7 @@ class MapStyleIterator(_ThreadFed):
 class IterableIterator(_ThreadFed):
     """One epoch over an ``IterableDataset`` whose copies run in a :class:`WorkerPool`.
 
-    An :class:`~raydl._internal.fetchers.IterableFetcher` thread takes the workers'
+    An :class:`~raydl._internal.stream.fetchers.IterableFetcher` thread takes the workers'
     batches round-robin and queues them (``prefetch`` per worker in flight, plus
     up to two converted: one queued, one waiting to be).
     """
@@ -294,7 +294,7 @@ class IterableIterator(_ThreadFed):
 class DirectIterator(_ThreadFed):
     """One epoch of a simple file pipeline run on raydl's own actors (see ``direct.py``).
 
-    A :class:`~raydl._internal.fetchers.DirectFetcher` thread sends the epoch's
+    A :class:`~raydl._internal.stream.fetchers.DirectFetcher` thread sends the epoch's
     runs of files to the pool, cuts the blocks that come back into batches (the
     same code, local shuffle buffer included, as for Ray Data's blocks), converts
     them and queues up to ``prefetch`` of them.
@@ -320,7 +320,7 @@ class DirectIterator(_ThreadFed):
         skip: int = 0,
         start_next: Callable[[], bool] | None = None,
     ) -> None:
-        """``work``: the epoch's :class:`~raydl._internal.direct.EpochWork`, put in Ray.
+        """``work``: the epoch's :class:`~raydl._internal.epochs.direct.EpochWork`, put in Ray.
 
         ``skip``, ``start_next``: as for :class:`RayDatasetIterator` (the next epoch
         is asked for once every run has been sent).

@@ -41,7 +41,7 @@ import pyarrow.fs as pafs
 from ray.data._internal.datasource.binary_datasource import BinaryDatasource
 from ray.data._internal.datasource.image_datasource import ImageDatasource
 
-from raydl._internal.fs import LISTING_THREADS
+from raydl._internal.io.fs import LISTING_THREADS
 from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:

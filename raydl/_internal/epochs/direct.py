@@ -117,7 +117,7 @@ def direct_plan(dataset: Any) -> DirectPlan | None:
         from ray.data._internal.logical.operators.map_operator import MapBatches
         from ray.data._internal.logical.operators.read_operator import Read
 
-        from raydl._internal.files import FileRunsDatasource
+        from raydl._internal.io.files import FileRunsDatasource
 
         ops = list(dataset._logical_plan.dag.post_order_iter())
     except (ImportError, AttributeError):  # pragma: no cover - Ray moved its internals
@@ -278,7 +278,7 @@ def _as_numpy(output: Any) -> dict[str, np.ndarray]:
 class RunLoader(Dataset[Any]):
     """The "dataset" of a direct pool's actors: request ``(work, paths)`` -> the run's blocks.
 
-    The pool's actors are :class:`~raydl._internal.workers.DatasetWorker` s (restarts,
+    The pool's actors are :class:`~raydl._internal.workers.worker.DatasetWorker` s (restarts,
     exception transport and seeding are theirs); this object is their dataset. The
     work of an epoch travels as an object reference (put once per epoch) and is
     kept for the next requests, so a request carries only its files.

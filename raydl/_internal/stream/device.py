@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
-from raydl._internal.threads import put_until_stopped
+from raydl._internal.stream.threads import put_until_stopped
 
 _DONE = object()
 

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as torch_worker
 
-from raydl._internal.convert import tensors_to_numpy
+from raydl._internal.workers.convert import tensors_to_numpy
 
 #: Returned by an iterable worker whose dataset is exhausted.
 EXHAUSTED = "__raydl_exhausted__"
@@ -53,7 +53,7 @@ def describe_indices(indices: Sequence[int] | int) -> str:
 
 
 class DatasetWorker:
-    """One loader worker; instantiated as a Ray actor by :mod:`raydl._internal.pool`."""
+    """One loader worker; instantiated as a Ray actor by :mod:`raydl._internal.workers.pool`."""
 
     def __init__(self, dataset_ref: list[Any], worker_id: int, spec: WorkerSpec) -> None:
         self._dataset_ref = dataset_ref
