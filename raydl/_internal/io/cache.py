@@ -7,6 +7,10 @@ Layout of a cache directory::
     <dir>/stats/<host>-<pid>.json hit/miss counters of each process
     <dir>/.lock                   held while evicting
 
+The cache knows nothing of filesystems: :meth:`DiskCache.fetch` is given the
+object's key, its metadata and a callable that downloads it to a local path
+(:class:`raydl._internal.io.fs.RemoteHandler` passes its retried ``get_file``).
+
 * **Validation.** An entry's name hashes the endpoint, the key and the object's
   version as the server reports it (ETag, else size and modification time).
   Each open looks the object up (one metadata request), so a changed object
@@ -21,10 +25,19 @@ Layout of a cache directory::
   second of its own downloads, so concurrent writers overshoot the bound by at
   most that much each, briefly. An entry deleted while a reader has it open
   stays readable (POSIX unlink semantics).
+* **Counters written rarely.** Hits, misses, fetched bytes and evictions are
+  counted in memory, per process and directory, and written to the process's
+  stats file only by :meth:`DiskCache.flush`: raydl's read tasks and direct runs
+  flush when they end, a :class:`DiskCache` flushes when it is closed or
+  garbage-collected (a Ray read task's copy is dropped when the task ends), the
+  process flushes at exit, and :meth:`CacheConfig.stats` flushes this process's
+  own counters before it reads the files. A hit therefore costs a ``stat`` and
+  an ``utime``, not a file rewrite.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -34,22 +47,80 @@ import socket
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from raydl._internal.io.fs import RemoteHandler
-
-__all__ = ["CacheConfig", "CacheStats", "DiskCache"]
+__all__ = ["CacheConfig", "CacheStats", "DiskCache", "as_cache_config", "version_token"]
 
 _OBJECTS = "objects"
 _TMP = "tmp"
 _STATS = "stats"
 _SCAN_INTERVAL_S = 1.0
 _COUNTER_KEYS = ("hits", "misses", "bytes_fetched", "evictions")
-# Counters of this process per cache directory (read tasks come and go; the process stays).
-_process_counts: dict[str, dict[str, int]] = {}
-_counts_lock = threading.Lock()
+
+
+class _ProcessCounters:
+    """This process's counters per cache directory, and which changed since they were written.
+
+    Read tasks come and go (each unpickles its own :class:`DiskCache`); the process
+    stays, so its totals live here and are written to ``<dir>/stats/<host>-<pid>.json``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a task's reading threads count at once
+        self._counts: dict[str, dict[str, int]] = {}
+        self._dirty: set[str] = set()
+
+    def add(self, directory: str, deltas: Mapping[str, int]) -> None:
+        """Add ``deltas`` to ``directory``'s counters (in memory only)."""
+        with self._lock:
+            counts = self._counts.setdefault(directory, dict.fromkeys(_COUNTER_KEYS, 0))
+            for k, v in deltas.items():
+                counts[k] += v
+            self._dirty.add(directory)
+
+    def flush(self, directory: str | None = None) -> None:
+        """Write the changed counters of ``directory`` (of every directory when ``None``)."""
+        with self._lock:
+            for each in [directory] if directory is not None else sorted(self._dirty):
+                if each not in self._dirty:
+                    continue
+                _write_counts(each, self._counts[each])
+                self._dirty.discard(each)
+
+    def forget(self, directory: str) -> None:
+        """Drop ``directory``'s counters (its stats files were deleted)."""
+        with self._lock:
+            self._counts.pop(directory, None)
+            self._dirty.discard(directory)
+
+    def reset(self) -> None:
+        """Start over (in a forked child: the parent's counts are the parent's to write)."""
+        self._lock = threading.Lock()
+        self._counts = {}
+        self._dirty = set()
+
+
+def _write_counts(directory: str, counts: Mapping[str, int]) -> None:
+    """Replace this process's stats file in ``directory`` with ``counts`` (atomically)."""
+    stats_dir = os.path.join(directory, _STATS)
+    name = f"{socket.gethostname()}-{os.getpid()}"
+    tmp = os.path.join(stats_dir, f".{name}.{uuid.uuid4().hex}")
+    try:
+        os.makedirs(stats_dir, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(dict(counts), f)
+        os.replace(tmp, os.path.join(stats_dir, f"{name}.json"))
+    except FileNotFoundError:  # the directory was deleted meanwhile: nothing to count into
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+_process_counts = _ProcessCounters()
+atexit.register(_process_counts.flush)
+os.register_at_fork(after_in_child=_process_counts.reset)
 
 
 @dataclass(frozen=True)
@@ -106,7 +177,13 @@ class CacheConfig:
             )
 
     def stats(self) -> CacheStats:
-        """Counters of every process that used this directory, and its current size."""
+        """Counters of every process that used this directory, and its current size.
+
+        This process's own counters are written first. Another process's counters
+        are as it last flushed them: when its last read task ended (see the module
+        docstring).
+        """
+        _process_counts.flush(self.dir)
         totals = dict.fromkeys(_COUNTER_KEYS, 0)
         stats_dir = os.path.join(self.dir, _STATS)
         for name in _listdir(stats_dir):
@@ -124,7 +201,7 @@ class CacheConfig:
         """Delete every entry and counter (the directory itself stays).
 
         Call it while no reader uses the directory: a worker process that is
-        still alive writes its running totals again at its next open.
+        still alive writes its running totals again at its next flush.
         """
         for path, _, _ in _scan(os.path.join(self.dir, _OBJECTS)):
             with contextlib.suppress(FileNotFoundError):
@@ -133,7 +210,7 @@ class CacheConfig:
         for name in _listdir(stats_dir):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(stats_dir, name))
-        _process_counts.pop(self.dir, None)
+        _process_counts.forget(self.dir)
 
 
 def as_cache_config(cache: CacheConfig | str | os.PathLike[str] | None) -> CacheConfig | None:
@@ -148,7 +225,7 @@ def as_cache_config(cache: CacheConfig | str | os.PathLike[str] | None) -> Cache
     )
 
 
-def version_token(info: dict[str, Any]) -> str:
+def version_token(info: Mapping[str, Any]) -> str:
     """What identifies one version of an object: its ETag, else its size and mtime."""
     size = info.get("size")
     etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
@@ -163,7 +240,21 @@ def version_token(info: dict[str, Any]) -> str:
 class DiskCache:
     """The cache of one :class:`CacheConfig`, as used inside one process.
 
-    Pickles as its configuration; each process keeps its own counters per directory.
+    Pickles as its configuration; each process keeps its own counters per
+    directory, written by :meth:`flush` (called on :meth:`close` and when the object
+    is garbage-collected, too).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> cache = DiskCache(CacheConfig(tempfile.mkdtemp()))
+        >>> download = lambda local: pathlib.Path(local).write_bytes(b"abc")
+        >>> info = {"size": 3, "ETag": "v1"}
+        >>> local = cache.fetch("bucket/k.bin", info, download, endpoint="s3 endpoint http://h")
+        >>> pathlib.Path(local).read_bytes()
+        b'abc'
+        >>> cache.close()
+        >>> (cache.config.stats().misses, cache.config.stats().hits)
+        (1, 0)
     """
 
     def __init__(self, config: CacheConfig) -> None:
@@ -173,20 +264,51 @@ class DiskCache:
         self._last_scan = 0.0
         # A read task fetches several files at once (files._Reader.READ_THREADS).
         self._lock = threading.Lock()
+        # A read task's copy is dropped when the task ends: its counts are written then.
+        self._finalizer = weakref.finalize(self, _process_counts.flush, config.dir)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (DiskCache, (self.config,))
 
-    def entry_path(self, endpoint: str, path: str, info: dict[str, Any]) -> str:
+    def flush(self) -> None:
+        """Write this process's counters of the cache directory, if they changed."""
+        _process_counts.flush(self.config.dir)
+
+    def close(self) -> None:
+        """Write the counters (the cache holds nothing else to release); idempotent."""
+        self._finalizer()
+
+    def entry_path(self, endpoint: str, path: str, info: Mapping[str, Any]) -> str:
         """Where the entry of this version of ``path`` at ``endpoint`` lives."""
         digest = hashlib.sha256(
             "\0".join((endpoint, path, version_token(info))).encode()
         ).hexdigest()
         return os.path.join(self.config.dir, _OBJECTS, digest[:2], digest)
 
-    def fetch(self, handler: RemoteHandler, path: str, info: dict[str, Any]) -> str:
-        """The local path of ``path``'s current version, downloading it on a miss."""
-        final = self.entry_path(handler.endpoint, path, info)
+    def fetch(
+        self,
+        key: str,
+        info: Mapping[str, Any],
+        download: Callable[[str], object],
+        *,
+        endpoint: str,
+    ) -> str:
+        """The local path of ``key``'s current version, downloading it on a miss.
+
+        Args:
+            key: The object's key (its path in its filesystem).
+            info: Its metadata as its filesystem reports it (``size`` and the
+                ETag or modification time: they name the version).
+            download: Writes the object's bytes to the local path it is given
+                (retrying as it sees fit); called on a miss only.
+            endpoint: Where the object lives: part of the entry's name, and named
+                by errors.
+
+        Raises:
+            OSError: The download's size is not ``info``'s (the object changed
+                while it was read); nothing is cached.
+        """
+        final = self.entry_path(endpoint, key, info)
         size = info.get("size")
         try:
             st = os.stat(final)
@@ -198,24 +320,26 @@ class DiskCache:
                     os.utime(final)  # LRU: a hit makes the entry the newest
                     self._count(hits=1)
                     return final
-        fetched = self._download(handler, path, final, size)
+        fetched = self._download(key, download, endpoint, final, size)
         self._count(misses=1, bytes_fetched=fetched)
         with self._lock:
             self._written_since_scan += fetched
             self._maybe_evict()
         return final
 
-    def _download(self, handler: RemoteHandler, path: str, final: str, size: Any) -> int:
+    def _download(
+        self, key: str, download: Callable[[str], object], endpoint: str, final: str, size: Any
+    ) -> int:
         tmp_dir = os.path.join(self.config.dir, _TMP)
         os.makedirs(tmp_dir, exist_ok=True)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = os.path.join(tmp_dir, f"{os.path.basename(final)}.{os.getpid()}.{uuid.uuid4().hex}")
         try:
-            handler.call(lambda: handler.fs.get_file(path, tmp), "download", path)
+            download(tmp)
             got = os.path.getsize(tmp)
             if size is not None and got != int(size):
                 raise OSError(
-                    f"download of key {path!r} at {handler.endpoint} got {got} bytes, "
+                    f"download of key {key!r} at {endpoint} got {got} bytes, "
                     f"expected {int(size)}: the object changed while it was read; retry the epoch"
                 )
             os.replace(tmp, final)
@@ -260,17 +384,7 @@ class DiskCache:
             self._count(evictions=evicted)
 
     def _count(self, **deltas: int) -> None:
-        with _counts_lock:  # a task's reading threads count at once
-            counts = _process_counts.setdefault(self.config.dir, dict.fromkeys(_COUNTER_KEYS, 0))
-            for k, v in deltas.items():
-                counts[k] += v
-            stats_dir = os.path.join(self.config.dir, _STATS)
-            os.makedirs(stats_dir, exist_ok=True)
-            name = f"{socket.gethostname()}-{os.getpid()}"
-            tmp = os.path.join(stats_dir, f".{name}.{uuid.uuid4().hex}")
-            with open(tmp, "w") as f:
-                json.dump(counts, f)
-            os.replace(tmp, os.path.join(stats_dir, f"{name}.json"))
+        _process_counts.add(self.config.dir, deltas)
 
 
 def _listdir(path: str) -> list[str]:

@@ -30,6 +30,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from raydl._internal.io import skips
+from raydl._internal.io.fs import flush_cache
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -170,15 +171,18 @@ class _Reader:
         retried = ray.data.DataContext.get_current().retried_io_errors or ()
         datas: list[bytes] = []
         kept: list[str] = []
-        for path, (data, err) in zip(self._paths, self._results(), strict=True):
-            if err is not None:
-                if not self._skip or not skips.skippable(err, retried):
-                    raise naming(err, path) from err
-                skips.record_skip(path, err)
-                continue
-            assert data is not None
-            datas.append(data)
-            kept.append(path)
+        try:
+            for path, (data, err) in zip(self._paths, self._results(), strict=True):
+                if err is not None:
+                    if not self._skip or not skips.skippable(err, retried):
+                        raise naming(err, path) from err
+                    skips.record_skip(path, err)
+                    continue
+                assert data is not None
+                datas.append(data)
+                kept.append(path)
+        finally:
+            flush_cache(self._filesystem)  # the task's cache counters, once
         columns: dict[str, Any] = {"bytes": pa.array(datas, type=pa.binary())}
         if self._include_paths:
             columns["path"] = pa.array(kept, type=pa.string())

@@ -8,7 +8,8 @@ fsspec filesystem with ``PyFileSystem(FSSpecHandler(fs))``. raydl's handler
   that restarts within the budget costs a delay, not the epoch;
 * an error that names the endpoint and the object key when the budget runs out
   (:class:`RemoteReadError`);
-* optionally, a local disk cache of whole objects (:mod:`raydl._internal.io.cache`);
+* optionally, a local disk cache of whole objects (:mod:`raydl._internal.io.cache`,
+  which is handed the key and a download callable, and imports nothing from here);
 * a recursive listing of a prefix that lists its immediate sub-prefixes (one
   level, e.g. ``train/<label>/``) in parallel threads instead of paging through
   the whole prefix serially.
@@ -47,8 +48,10 @@ __all__ = [
     "RemoteReadError",
     "RetryPolicy",
     "describe_endpoint",
+    "flush_cache",
     "list_files",
     "to_pyarrow",
+    "without_cache",
 ]
 
 T = TypeVar("T")
@@ -346,7 +349,7 @@ class RemoteHandler(pafs.FSSpecHandler):
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{path!r} at {self.endpoint} is a directory, not an object")
         if self.cache is not None:
-            local = self.cache.fetch(self, path, info)
+            local = self.cache.fetch(path, info, self._downloader(path), endpoint=self.endpoint)
             return pa.memory_map(local, "r")
         size = info.get("size")
         return pa.PythonFile(
@@ -355,6 +358,33 @@ class RemoteHandler(pafs.FSSpecHandler):
 
     def open_input_stream(self, path: str) -> pa.NativeFile:
         return self.open_input_file(path)
+
+    def _downloader(self, path: str) -> Callable[[str], None]:
+        """The disk cache's download of ``path``: fsspec's ``get_file``, retried."""
+
+        def download(local: str) -> None:
+            self.call(lambda: self.fs.get_file(path, local), "download", path)
+
+        return download
+
+
+def flush_cache(filesystem: pafs.FileSystem) -> None:
+    """Write the disk cache counters of ``filesystem``, if it reads through one.
+
+    raydl's read tasks call it when they end (see :mod:`raydl._internal.io.cache`).
+    """
+    handler = getattr(filesystem, "handler", None)
+    if isinstance(handler, RemoteHandler) and handler.cache is not None:
+        handler.cache.flush()
+
+
+def without_cache(filesystem: pafs.FileSystem) -> pafs.FileSystem:
+    """``filesystem`` without its disk cache: a read of a few bytes (a parquet footer)
+    must not download the whole file."""
+    handler = getattr(filesystem, "handler", None)
+    if isinstance(filesystem, pafs.PyFileSystem) and isinstance(handler, RemoteHandler):
+        return to_pyarrow(handler.without_cache())
+    return filesystem
 
 
 def to_pyarrow(handler: RemoteHandler) -> pafs.PyFileSystem:

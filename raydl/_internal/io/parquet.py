@@ -22,6 +22,7 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 
 from raydl._internal.io.files import FileRunsDatasource, naming
+from raydl._internal.io.fs import flush_cache
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -113,16 +114,21 @@ class _ParquetRun:
     def __call__(self) -> Iterator[pa.Table]:
         import pyarrow.parquet as pq
 
-        for path in self._paths:
-            try:
-                with self._filesystem.open_input_file(path) as f:
-                    parquet = pq.ParquetFile(f)
-                    present = [n for n in self._schema.names if n in parquet.schema_arrow.names]
-                    for groups in _row_group_runs(parquet.metadata):
-                        table = parquet.read_row_groups(groups, columns=present)
-                        yield conform(table, self._schema, path if self._include_paths else None)
-            except Exception as err:
-                raise naming(err, path) from err
+        try:
+            for path in self._paths:
+                try:
+                    with self._filesystem.open_input_file(path) as f:
+                        parquet = pq.ParquetFile(f)
+                        present = [n for n in self._schema.names if n in parquet.schema_arrow.names]
+                        for groups in _row_group_runs(parquet.metadata):
+                            table = parquet.read_row_groups(groups, columns=present)
+                            yield conform(
+                                table, self._schema, path if self._include_paths else None
+                            )
+                except Exception as err:
+                    raise naming(err, path) from err
+        finally:
+            flush_cache(self._filesystem)  # the task's cache counters, once
 
 
 def _row_group_runs(metadata: pa._parquet.FileMetaData) -> Iterator[list[int]]:
