@@ -33,8 +33,6 @@ boundaries), but the order is still a pure function of (seed, epoch).
 from __future__ import annotations
 
 import collections.abc
-import itertools
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +41,12 @@ import numpy as np
 from torch.utils.data import Dataset
 from torch.utils.data._utils import ExceptionWrapper
 
+from raydl._internal.io.runs import RUN_BYTES, cut_runs
+
 #: Files per run (one actor request), at most: the unit of work, retry and the first batch's wait.
 FILES_PER_RUN = 512
 #: Listed bytes per run, at most (parquet: uncompressed bytes from the footers).
-BYTES_PER_RUN = 32 << 20
+BYTES_PER_RUN = RUN_BYTES
 #: Runs an epoch is cut into, at least (where there are enough files): work for every
 #: actor of a small cluster. Not derived from the pool's size, so the cut (and, with a
 #: local shuffle buffer, the order) does not depend on how many CPUs the cluster has.
@@ -130,7 +130,7 @@ def direct_plan(dataset: Any) -> DirectPlan | None:
         not isinstance(source, FileRunsDatasource)
         or not _plain(read.ray_remote_args)
         or getattr(read.compute, "size", None) is not None  # read concurrency capped
-        or any((size or 0) > MAX_FILE_BYTES for _, size in source._files)
+        or any((size or 0) > MAX_FILE_BYTES for _, size in source.files)
     ):
         return None
     cpus = []  # what each stage asks per task
@@ -196,17 +196,11 @@ def runs(files: Sequence[tuple[str, int | None]]) -> list[tuple[str, ...]]:
     """``files`` cut into contiguous runs of equal file counts: at least :data:`MIN_RUNS`,
     at most :data:`FILES_PER_RUN` files and :data:`BYTES_PER_RUN` listed bytes each.
 
-    A pure function of the file list (in the epoch's order).
+    A pure function of the file list (in the epoch's order): the read tasks' rule
+    (:func:`raydl._internal.io.runs.cut_runs`) with direct execution's bounds.
     """
-    count = len(files)
-    if count == 0:
-        return []
-    total = sum(size or 0 for _, size in files)
-    wanted = max(MIN_RUNS, math.ceil(count / FILES_PER_RUN), math.ceil(total / BYTES_PER_RUN))
-    bounds = np.linspace(0, count, min(count, wanted) + 1).astype(int).tolist()
-    return [
-        tuple(path for path, _ in files[start:stop]) for start, stop in itertools.pairwise(bounds)
-    ]
+    cut = cut_runs(files, at_least=MIN_RUNS, max_files=FILES_PER_RUN, max_bytes=BYTES_PER_RUN)
+    return [tuple(path for path, _ in run) for run in cut]
 
 
 def loaded_bytes(blocks: Sequence[dict[str, np.ndarray]]) -> int:
@@ -314,7 +308,7 @@ class LocalRuns:
 
     def __init__(self, plan: DirectPlan, context: Any) -> None:
         self._work = plan.work(context)
-        self._runs = runs(plan.source._files)
+        self._runs = runs(plan.source.files)
 
     def iter_batches(self, **_: Any) -> Iterator[dict[str, np.ndarray]]:
         """The epoch's blocks as numpy batches (Ray's ``batch_size=None`` iteration)."""

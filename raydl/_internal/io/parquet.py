@@ -23,12 +23,13 @@ from ray.data.block import BlockMetadata
 
 from raydl._internal.io.files import FileRunsDatasource, naming
 from raydl._internal.io.fs import flush_cache
+from raydl._internal.io.runs import RUN_BYTES, run_count
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
 #: Uncompressed bytes a read task aims at (row-group sizes from the footers).
-TASK_BYTES = 32 << 20
+TASK_BYTES = RUN_BYTES
 #: Uncompressed bytes read from a file at once (whole row groups).
 CHUNK_BYTES = 32 << 20
 
@@ -44,9 +45,8 @@ class Footer:
 
 def read_tasks_for(footers: Sequence[Footer], cpus: int) -> int:
     """How many read tasks: about :data:`TASK_BYTES` each, at least one per CPU, at most one per file."""
-    total = sum(footer.num_bytes for footer in footers)
-    wanted = max(min(cpus, len(footers)), -(-total // TASK_BYTES))
-    return max(1, min(len(footers), wanted))
+    sizes = [("", footer.num_bytes) for footer in footers]
+    return max(1, run_count(sizes, at_least=cpus, max_files=None, max_bytes=TASK_BYTES))
 
 
 class ParquetFilesDatasource(FileRunsDatasource):
