@@ -12,7 +12,8 @@ from raydl.errors import (
     StateMismatchError,
     WorkerDiedError,
 )
-from raydl.loader import LoaderOptions, RayDataLoader
+from raydl.loader import RayDataLoader
+from raydl.options import LoaderOptions
 from raydl.pipelines import PerEpoch
 from raydl.session import init, shutdown
 from raydl.sources import (

@@ -67,7 +67,7 @@ def test_a_file_read_and_its_functions_run_on_the_loaders_own_actors(folder: Pat
     assert os.getpid() not in pids[0]
     assert "on 2 raydl actors" in _summary(loader)
     loader.close()  # its actors go
-    assert loader._direct_pool is None
+    assert loader._source._direct_pool is None
     # And the next iteration starts a new pool.
     assert sorted(_epoch(loader)[0]) == list(range(FILES))
     loader.close()
@@ -130,7 +130,7 @@ def test_an_epoch_resumed_at_another_world_size_is_rebuilt_the_same_way(folder: 
     head = [i for _ in range(4) for i in next(it)["id"].tolist()]
     state = LoaderState.from_dict(json.loads(json.dumps(loader.state_dict())))
     rest = [i for batch in it for i in batch["id"].tolist()]
-    plan = loader._plan(state.epoch)
+    plan = loader._source._plan(state.epoch)
     shares = ray_shares(
         plan.dataset, state, 2, batch_size=8, drop_last=False,
         buffer=plan.local_shuffle_buffer_size, buffer_seed=plan.local_shuffle_seed, direct=True,

@@ -157,7 +157,7 @@ def test_abandoned_iterator_non_persistent() -> None:
     loader = RayDataLoader(TensorData(10), batch_size=3, num_workers=1)
     assert _ids([next(iter(loader))]) == [0, 1, 2]
     assert _ids(list(loader)) == list(range(10))
-    assert loader._pool is None
+    assert loader._source._pool is None
 
 
 @pytest.mark.timeout(120)
@@ -174,7 +174,7 @@ def test_break_releases_non_persistent_workers() -> None:
     # the next epoch closes the abandoned one and starts fresh workers
     epoch = list(loader)
     assert sorted(i for b in epoch for i in b["index"].tolist()) == list(range(20))
-    assert loader._pool is None
+    assert loader._source._pool is None
     assert _wait_until(lambda: ray.available_resources().get("CPU", 0) == 2.0)
     assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
 
@@ -190,9 +190,9 @@ def test_close_releases_workers() -> None:
     )
     pids = {next(iter(loader))["pid"][0].item()}
     list(loader)
-    assert loader._pool is not None  # persistent: kept between epochs
+    assert loader._source._pool is not None  # persistent: kept between epochs
     loader.close()
-    assert loader._pool is None
+    assert loader._source._pool is None
     assert _wait_until(lambda: ray.available_resources().get("CPU", 0) == 2.0)
     assert _wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
 
@@ -398,4 +398,4 @@ def test_non_persistent_workers_are_fresh_each_epoch_in_reused_processes() -> No
     assert first["seed"][0] != second["seed"][0]  # a new base seed each epoch, as in torch
     assert second["init_pid"][0] == second["pid"][0]  # worker_init_fn ran in that process
     loader.close()
-    assert loader._parked == []
+    assert loader._source._parked == []

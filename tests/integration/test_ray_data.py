@@ -128,7 +128,7 @@ def test_files_shuffle_mode_reorders_the_files_each_epoch(tmp_path: Path) -> Non
         )  # fmt: skip
 
     def file_order(loader: RayDataLoader, epoch: int) -> list[int]:
-        plan = loader._plan(epoch)  # the epoch's plan, read without the local buffer
+        plan = loader._source._plan(epoch)  # the epoch's plan, read without the local buffer
         assert not plan.all_to_all  # streams: no barrier before the first batch
         ids = [int(i) for b in plan.dataset.iter_batches(batch_size=None) for i in b["id"]]
         assert sorted(ids) == list(range(60))
@@ -273,9 +273,9 @@ def test_overlapped_epochs_deliver_the_same_batches(mode: str) -> None:
         epochs, started_early = [], []
         for _ in range(3):
             epochs.append(_ids(loader))
-            started_early.append(loader._next.epoch)
+            started_early.append(loader._source.early_epoch)
         loader.close()
-        assert loader._next.epoch is None  # close() stops the early epoch
+        assert loader._source.early_epoch is None  # close() stops the early epoch
         return epochs, started_early
 
     overlapped, started = run(True)
@@ -295,7 +295,7 @@ def test_a_slow_trainer_gets_the_next_epoch_started_long_before_the_current_one_
         started_at = None
         batches = 0
         for batches, _ in enumerate(loader, start=1):
-            if started_at is None and loader._next.epoch == epoch + 1:
+            if started_at is None and loader._source.early_epoch == epoch + 1:
                 started_at = batches
             time.sleep(0.03)  # a training step
         assert batches == 50
@@ -307,9 +307,9 @@ def test_a_slow_trainer_gets_the_next_epoch_started_long_before_the_current_one_
 def test_set_epoch_discards_an_early_epoch_that_is_not_next() -> None:
     loader = RayDataLoader(_per_epoch(), batch_size=8, shuffle=True, seed=9)
     list(loader)
-    assert loader._next.epoch == 1
+    assert loader._source.early_epoch == 1
     loader.set_epoch(4)
-    assert loader._next.epoch is None
+    assert loader._source.early_epoch is None
     expected = RayDataLoader(_per_epoch(), batch_size=8, shuffle=True, seed=9, overlap_epochs=False)
     expected.set_epoch(4)
     assert _ids(loader) == _ids(expected)
@@ -377,9 +377,9 @@ class _Identity:
 @pytest.mark.timeout(60)
 def test_an_epochs_executor_refreshes_its_resource_limits_promptly() -> None:
     """The hook on Ray Data's executor is in place (a Ray upgrade that renames it fails here)."""
-    from raydl._internal.stream.iterators import LIMITS_REFRESH_S, _RayIteration
+    from raydl._internal.ray_compat.iteration import LIMITS_REFRESH_S, RayIteration
 
-    iteration = _RayIteration(ray.data.range(N, override_num_blocks=2))
+    iteration = RayIteration(ray.data.range(N, override_num_blocks=2))
     batches = iteration.iterator.iter_batches(batch_size=None)
     assert sum(len(b["id"]) for b in batches) == N
     manager = iteration._executor._resource_manager

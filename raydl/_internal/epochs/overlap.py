@@ -22,7 +22,9 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+
+from raydl._internal.epochs.record import EpochStart
+from raydl._internal.stream.handoff import Handoff, Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -46,57 +48,61 @@ def _register_exit_hook() -> None:
 
 
 class NextEpoch:
-    """At most one epoch iterator started ahead of its ``iter()``."""
+    """At most one epoch started ahead of its ``iter()`` (an :class:`EpochStart`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._epoch: int | None = None
-        self._thread: threading.Thread | None = None
-        self._iterator: Any = None
+        self._handoff: Handoff | None = None
 
     @property
     def epoch(self) -> int | None:
         """The epoch started ahead, if any."""
         return self._epoch
 
-    def start(self, epoch: int, build: Callable[[], Any]) -> bool:
-        """Build epoch ``epoch``'s iterator in the background; ``False`` if one is pending."""
+    def start(self, epoch: int, build: Callable[[], EpochStart]) -> bool:
+        """Build epoch ``epoch`` in the background; ``False`` if one is pending."""
         with self._lock:
             if self._epoch is not None:
                 return False
             self._epoch = epoch
             _live.add(self)
             _register_exit_hook()
-            self._thread = threading.Thread(
-                target=self._build, args=(build,), name=f"raydl-epoch-{epoch}-prestart", daemon=True
-            )
-            self._thread.start()
-            return True
+            handoff = self._handoff = Handoff(maxsize=1)
 
-    def _build(self, build: Callable[[], Any]) -> None:
-        try:
-            iterator = build()
-        except Exception:
-            # The regular iter() builds it again and raises the error where the user sees it.
-            logger.debug("starting the next epoch early failed", exc_info=True)
-            return
-        with self._lock:
-            self._iterator = iterator
+        def body() -> None:
+            try:
+                started = build()
+            except Exception:
+                # The regular iter() builds it again and raises the error where the user sees it.
+                logger.debug("starting the next epoch early failed", exc_info=True)
+                return
+            try:
+                handoff.put(started)
+            except Stopped:
+                started.close()  # discarded while it was being built
+                raise
 
-    def take(self, epoch: int) -> Any:
-        """The early iterator if it is for ``epoch`` (else it is discarded); ``None`` if none."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
+        handoff.start(body, name=f"raydl-epoch-{epoch}-prestart")
+        return True
+
+    def take(self, epoch: int) -> EpochStart | None:
+        """The early epoch if it is ``epoch`` (else it is discarded); ``None`` if none."""
         with self._lock:
-            iterator, started = self._iterator, self._epoch
-            self._iterator = self._epoch = self._thread = None
-        if iterator is not None and started != epoch:
-            iterator.close()
+            handoff, started_epoch = self._handoff, self._epoch
+            self._handoff = self._epoch = None
+        if handoff is None:
             return None
-        return iterator
+        try:
+            started: EpochStart | None = handoff.take(0)
+        except StopIteration:
+            started = None
+        if started is not None and started_epoch != epoch:
+            started.close()
+            return None
+        return started
 
     def discard(self) -> None:
-        """Stop the early iterator, if any."""
+        """Stop the early epoch, if any."""
         with contextlib.suppress(Exception):
             self.take(-1)  # no epoch is -1: whatever was started is closed

@@ -16,12 +16,13 @@ batcher gives.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Generator, Iterable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
 Batch = dict[str, np.ndarray]
+T = TypeVar("T")
 
 
 def _rows(batch: Batch) -> int:
@@ -189,7 +190,7 @@ def ray_batches(
     drop_last: bool,
     buffer: int | None,
     seed: int | None,
-) -> Iterator[Batch]:
+) -> Generator[Batch, None, None]:
     """``source``'s numpy batches (a ``Dataset``, ``DataIterator`` or split), cut by raydl.
 
     Closing the returned generator closes Ray's iteration (its executor shuts down).
@@ -207,3 +208,21 @@ def ray_batches(
         close = getattr(blocks, "close", None)
         if close is not None:
             close()
+
+
+def skip_consumed(items: Iterable[T], count: int) -> Iterator[T]:
+    """``items`` without the first ``count``: how every resumed epoch skips what was consumed.
+
+    Map-style epochs skip their sampler's index batches (nothing is fetched
+    again); the other sources skip batches before they are converted. An epoch's
+    order is a pure function of (seed, epoch), so what follows is exactly what
+    an uninterrupted run would have delivered.
+    """
+    iterator = iter(items)
+    for _ in range(count):
+        if next(iterator, _MISSING) is _MISSING:
+            break
+    return iterator
+
+
+_MISSING = object()

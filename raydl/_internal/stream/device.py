@@ -1,11 +1,16 @@
 """Host-to-device prefetch: the next batches are already on the GPU when the step asks.
 
-:class:`DevicePrefetcher` wraps an epoch iterator. A named background thread
-takes host batches from it, pins them, and copies them to the device on a side
-CUDA stream, ``depth`` batches ahead, recording an event per batch; the
-consumer makes its current stream wait for that event, so the copy overlaps
-the previous training step without a host synchronisation. Exceptions in the
-thread are re-raised in the consumer; ``close()`` stops the thread.
+:class:`DeviceCopy` is a producer stage over any epoch's producer: a named thread
+takes host batches from it, pins them and copies them to the device on a side
+CUDA stream, ``depth`` batches ahead, recording an event per batch. When the
+trainer takes a batch, its current stream waits for that event (no host
+synchronisation) and the batch's memory is recorded as used by that stream, so
+the copy overlaps the previous step and nothing is freed early. The epoch's
+iterator (``epoch_iterator.py``) stays the one that counts batches, times the
+trainer's wait and applies the timeout.
+
+The copy step is injected (:class:`Copier`), so the stage's hand-off, counting
+and lifetimes are tested on CPU; :class:`CudaCopier` is the real one.
 
 Without CUDA there is nothing to prefetch to: :func:`resolve_device` warns once
 (as torch does for ``pin_memory``) and batches stay on the host.
@@ -13,19 +18,14 @@ Without CUDA there is nothing to prefetch to: :func:`resolve_device` warns once
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import threading
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
-from raydl._internal.stream.threads import put_until_stopped
-
-_DONE = object()
+from raydl._internal.stream.epoch_iterator import Producer
+from raydl._internal.stream.handoff import Handoff
 
 
 def resolve_device(device: str | torch.device | int | None) -> torch.device | None:
@@ -71,69 +71,82 @@ def _record_stream(batch: Any, stream: Any) -> None:
             _record_stream(v, stream)
 
 
-class DevicePrefetcher(Iterator[Any]):
-    """Yields the batches of ``source`` already copied to ``device`` (CUDA only)."""
+class Copier(Protocol):
+    """One batch's copy to the device: started on the copy thread, finished on the trainer's."""
 
-    def __init__(self, source: Any, device: torch.device, *, depth: int, name: str) -> None:
-        self._source = source
+    def start(self) -> None:
+        """Called once on the copy thread before its first copy."""
+        ...
+
+    def copy(self, batch: Any) -> Any:
+        """Start copying the host ``batch``; a token for :meth:`ready` (copy thread)."""
+        ...
+
+    def ready(self, token: Any) -> Any:
+        """The device batch of ``token``, safe to use on the trainer's stream (trainer thread)."""
+        ...
+
+
+class CudaCopier:
+    """Pinned host batches copied on a side CUDA stream, one event per batch."""
+
+    def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
         self._stream = torch.cuda.Stream(device=device)
-        self.num_yielded = 0
-        self.exhausted = False
-        self._thread = threading.Thread(target=self._produce, name=name, daemon=True)
-        self._thread.start()
 
-    def __len__(self) -> int:
-        return len(self._source)
-
-    def _produce(self) -> None:
+    def start(self) -> None:
         torch.cuda.set_device(self._device)
-        try:
-            for batch in self._source:
-                if self._stop.is_set():
-                    return
-                with torch.cuda.stream(self._stream):
-                    moved = to_device(pin_structure(batch), self._device, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                self._put((moved, event))
-            self._put(_DONE)
-        except BaseException as err:
-            self._put(err)
 
-    def _put(self, item: Any) -> None:
-        put_until_stopped(self._queue, item, self._stop)
+    def copy(self, batch: Any) -> Any:
+        with torch.cuda.stream(self._stream):
+            moved = to_device(pin_structure(batch), self._device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return moved, event
 
-    def __next__(self) -> Any:
-        if self._stop.is_set():
-            raise StopIteration
-        item = self._queue.get()
-        if item is _DONE:
-            self.exhausted = True
-            self.close()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        batch, event = item
+    def ready(self, token: Any) -> Any:
+        batch, event = token
         current = torch.cuda.current_stream(self._device)
         current.wait_event(event)
         _record_stream(batch, current)
-        self.num_yielded += 1
         return batch
 
-    def close(self) -> None:
-        """Stop the copy thread and the epoch underneath."""
-        self.__dict__.pop("loader", None)  # a closed epoch does not keep its loader alive
-        self._stop.set()
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+class DeviceCopy(Producer):
+    """The batches of ``source``, copied ahead by ``copier`` (``depth`` of them queued).
+
+    The trainer's ``taken()`` reaches ``source`` (a map-style sampler is drawn on
+    the trainer's thread), and closing this stage closes ``source``.
+    """
+
+    def __init__(self, source: Producer, copier: Copier, *, depth: int, name: str) -> None:
+        self._source = source
+        self._copier = copier
+        self.handoff = Handoff(maxsize=max(1, depth))
+        self.handoff.start(self._run, name=name)
+
+    def _run(self) -> None:
+        self._copier.start()
+        source, copy, put = self._source, self._copier.copy, self.handoff.put
+        while True:
+            try:
+                item = source.handoff.take(0)
+            except StopIteration:
+                if self.handoff.stopped:
+                    return
+                break
+            put(copy(source.deliver(item)))
+
+    def deliver(self, item: Any) -> Any:
+        return self._copier.ready(item)
+
+    def taken(self) -> None:
+        self._source.taken()
+
+    def summary(self) -> str | None:
+        return self._source.summary()
+
+    def close(self, *, stalled: bool = False) -> None:
+        self.handoff.stop(join_s=0)
+        self._source.close(stalled=stalled)
+        self.handoff.stop(join_s=5)

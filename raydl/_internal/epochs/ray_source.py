@@ -1,0 +1,428 @@
+"""Epochs of a Ray Data plan: one rank or several, on Ray Data or on raydl's actors.
+
+A :class:`RaySource` turns the user's plan (a ``ray.data.Dataset`` or a
+:class:`~raydl.PerEpoch`) into one epoch at a time:
+
+* **one rank**: the epoch's plan (``plan.py``: shuffle, retries, fused reads) runs
+  as a Ray Data execution (:class:`~raydl._internal.stream.ray_producer.RayDataProducer`),
+  or, for a simple file plan, on raydl's own actors (direct execution, a strategy:
+  ``direct.py`` and :class:`~raydl._internal.stream.pool_producers.DirectProducer`).
+* **several ranks**: rank 0 plans the epoch and splits it with
+  ``streaming_split(world_size, equal=True)``; every rank receives a
+  :class:`RankPlan` by broadcast and reads its part. An epoch resumed at another
+  world size is rebuilt on rank 0 and dealt as tables (``resume.py``).
+
+The early start of the next epoch is a policy owned here, under one lock: a
+producer thread asks (:meth:`RaySource._start_early`), and the source starts the
+epoch only if it is the one the next ``iter()`` will run and no resume is armed
+(the loader says so through :meth:`RaySource.expect`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from raydl._internal.epochs.direct import DirectPlan, RunLoader, direct_plan
+from raydl._internal.epochs.direct import pool_size as direct_pool_size
+from raydl._internal.epochs.direct import runs as direct_runs
+from raydl._internal.epochs.elastic import batch_counts
+from raydl._internal.epochs.overlap import NextEpoch
+from raydl._internal.epochs.plan import STAGE_RETRIES, EpochPlan, plan_epoch, stage_names
+from raydl._internal.epochs.record import EpochRecord, EpochStart
+from raydl._internal.epochs.resume import ShareHolder, ray_shares
+from raydl._internal.epochs.shuffle import rank_seed
+from raydl._internal.epochs.state import LoaderState
+from raydl._internal.ray_compat.datasets import known_row_count, split_coordinator
+from raydl._internal.runtime import cluster
+from raydl._internal.runtime.world import Channel, World
+from raydl._internal.stream.batching import cut_batches
+from raydl._internal.stream.epoch_iterator import Producer
+from raydl._internal.stream.pool_producers import DirectProducer
+from raydl._internal.stream.ray_producer import RayDataProducer
+from raydl._internal.workers.convert import numpy_batch_to_tensors
+from raydl._internal.workers.pool import WorkerPool
+from raydl._internal.workers.worker import WorkerSpec
+from raydl.options import LoaderOptions
+from raydl.pipelines import PerEpoch
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """The loader's arguments a Ray Data source's epochs need."""
+
+    batch_size: int
+    drop_last: bool
+    shuffle: bool
+    collate_fn: Callable[[Any], Any] | None
+    prefetch: int
+    timeout: float
+    seed: int
+    options: LoaderOptions
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What rank 0 broadcasts to every rank at the start of a multi-rank epoch.
+
+    Attributes:
+        epoch: The epoch every rank runs (rank 0's).
+        parts: ``streaming_split`` iterators, one per rank; or, for an epoch resumed
+            at another world size, the rest of it dealt as tables (behind a
+            :class:`~raydl._internal.epochs.resume.ShareHolder` actor when other
+            ranks fetch theirs).
+        are_splits: Whether ``parts`` are split iterators.
+        buffer: Rows of the local shuffle buffer (splits only).
+        buffer_seed: Its seed before the rank's own offset (splits only).
+    """
+
+    epoch: int
+    parts: Any
+    are_splits: bool
+    buffer: int | None = None
+    buffer_seed: int | None = None
+
+
+class RaySource:
+    """The epochs of a ``ray.data.Dataset`` or :class:`~raydl.PerEpoch` plan."""
+
+    def __init__(self, dataset: Any, settings: RaySettings, world: World) -> None:
+        self._dataset = dataset
+        self._settings = settings
+        self._world = world
+        self._lock = threading.Lock()  # guards the early-start policy
+        self._build_lock = threading.Lock()  # one PerEpoch build at a time
+        self._built: tuple[int, Any] | None = None  # PerEpoch: the last epoch's plan
+        self._expected = 0  # the epoch the loader's next iter() runs
+        self._resume_armed = False  # that iter() resumes a saved epoch
+        self._next = NextEpoch()  # the next epoch, started early
+        self._direct_pool: WorkerPool | None = None  # runs simple file plans (direct.py)
+        self._splits: Any = None  # rank 0: the epoch's parts, alive until every rank ended it
+
+    # -- what the loader asks -----------------------------------------------------------
+
+    @property
+    def early_epoch(self) -> int | None:
+        """The epoch started ahead of its ``iter()``, if any."""
+        return self._next.epoch
+
+    def dataset(self, epoch: int) -> Any:
+        """The user's plan for ``epoch`` (a :class:`PerEpoch` is built once for it)."""
+        if not isinstance(self._dataset, PerEpoch):
+            return self._dataset
+        with self._build_lock:
+            built = self._built
+            if built is None or built[0] != epoch:
+                built = self._built = (epoch, self._dataset.dataset(epoch))
+            return built[1]
+
+    def length(self, epoch: int) -> int:
+        """This rank's batches of ``epoch``; ``TypeError`` when Ray cannot tell without running it."""
+        rows = known_row_count(self.dataset(epoch))
+        if rows is None:
+            raise TypeError(
+                "len() of a RayDataLoader over a ray.data.Dataset whose row count is only "
+                "known after executing it (e.g. after filter or a row-changing map_batches); "
+                "materialize() the dataset first, or do not call len()."
+            )
+        # streaming_split(equal=True) gives each rank the same share and drops the rest.
+        settings = self._settings
+        return batch_counts(rows // self._world.world_size, settings.batch_size, settings.drop_last)
+
+    def _length_or_none(self, epoch: int) -> int | None:
+        try:
+            return self.length(epoch)
+        except TypeError:
+            return None
+
+    def expect(self, epoch: int, *, resume: bool) -> None:
+        """The loader's next ``iter()`` runs ``epoch`` (resuming it if ``resume``)."""
+        with self._lock:
+            self._expected, self._resume_armed = epoch, resume
+
+    def discard_early(self, keep: int | None = None) -> None:
+        """Stop the epoch started early, unless it is epoch ``keep``."""
+        if keep is None or self._next.epoch not in {None, keep}:
+            self._next.discard()
+
+    def start_epoch(self, epoch: int, resume: LoaderState | None) -> EpochStart:
+        """Start ``epoch``, or the rest of it when ``resume``; the epoch run may be rank 0's."""
+        world = self._world
+        elastic = resume is not None and resume.needs_elastic(world.world_size)
+        if not world.is_distributed and not elastic:
+            skip = resume.batches_consumed if resume is not None else 0
+            started = self._next.take(epoch) if skip == 0 else None
+            if started is None:
+                self._next.discard()
+                # A resumed epoch runs the way it was saved (its order depends on it).
+                direct = resume.direct_execution is True if resume is not None else None
+                started = self._single_rank(epoch, skip, direct=direct)
+            return started
+        return self._ranks_epoch(epoch, resume, elastic=elastic)
+
+    def close(self) -> None:
+        """Stop the early epoch, the direct actors and rank 0's splits."""
+        self._next.discard()
+        pool, self._direct_pool = self._direct_pool, None
+        if pool is not None:
+            pool.kill()
+        self._retire_splits()
+
+    # -- one rank -----------------------------------------------------------------------
+
+    def _plan(self, epoch: int) -> EpochPlan:
+        settings, options = self._settings, self._settings.options
+        return plan_epoch(
+            self.dataset(epoch),
+            shuffle=settings.shuffle,
+            shuffle_mode=options.shuffle_mode,
+            local_shuffle_buffer_size=options.local_shuffle_buffer_size
+            or max(1024, 4 * settings.batch_size),
+            seed=settings.seed,
+            epoch=epoch,
+            deterministic=options.deterministic,
+        )
+
+    def _single_rank(self, epoch: int, skip: int, direct: bool | None = None) -> EpochStart:
+        """Epoch ``epoch`` on one rank; it starts the next epoch early when allowed.
+
+        ``direct``: run a simple file plan on raydl's actors or on Ray Data;
+        ``None``: as the ``direct_execution`` option says.
+        """
+        options = self._settings.options
+        plan = self._plan(epoch)
+        start_next = None
+        if options.overlap_epochs:
+            # A weak reference: a producer thread must not keep a dropped loader's
+            # source (and so its early epoch) alive; the loader's close() stops both.
+            source = weakref.ref(self)
+
+            def start_next() -> bool:
+                owner = source()
+                return owner is None or owner._start_early(epoch + 1)
+
+        if direct is None:
+            direct = options.direct_execution
+        simple = direct_plan(plan.dataset) if direct else None
+        record = EpochRecord(epoch=epoch, direct=simple is not None)
+        producer: Producer
+        if simple is not None:
+            producer = self._direct_producer(plan, simple, epoch, skip, start_next)
+        else:
+            producer = self._ray_producer(
+                plan.dataset,
+                epoch,
+                skip,
+                plan.local_shuffle_buffer_size,
+                plan.local_shuffle_seed,
+                start_next=start_next,
+                start_next_early=plan.all_to_all,
+            )
+        return EpochStart(producer, record, skip=skip, length=self._length_or_none(epoch))
+
+    def _start_early(self, epoch: int) -> bool:
+        """Start ``epoch`` ahead of its ``iter()``; ``False`` if it is too soon to tell.
+
+        Only the epoch the next ``iter()`` will run, and not when a resume is armed
+        (that ``iter()`` skips batches of its own epoch, so it builds its own
+        epoch). Asked by epoch ``epoch - 1`` while that one was itself started
+        early and not yet taken, the answer is "not yet".
+        """
+        with self._lock:
+            if self._expected == epoch - 1:
+                return False
+            if self._expected != epoch or self._resume_armed:
+                return True
+        self._next.start(epoch, lambda: self._single_rank(epoch, skip=0))
+        return True
+
+    def _ray_producer(
+        self,
+        source: Any,
+        epoch: int,
+        skip: int,
+        buffer: int | None,
+        buffer_seed: int | None,
+        **hooks: Any,
+    ) -> RayDataProducer:
+        settings = self._settings
+        return RayDataProducer(
+            source,
+            batch_size=settings.batch_size,
+            drop_last=settings.drop_last,
+            local_shuffle_buffer_size=buffer,
+            local_shuffle_seed=buffer_seed,
+            collate=settings.collate_fn or numpy_batch_to_tensors,
+            prefetch=settings.prefetch,
+            epoch=epoch,
+            stages=stage_names(self.dataset(epoch)),
+            attempts=STAGE_RETRIES + 1,
+            skip=skip,
+            **hooks,
+        )
+
+    def _direct_producer(
+        self,
+        plan: EpochPlan,
+        direct: DirectPlan,
+        epoch: int,
+        skip: int,
+        start_next: Callable[[], bool] | None,
+    ) -> DirectProducer:
+        """Epoch ``epoch`` of a simple file plan, on this source's own actors (``direct.py``)."""
+        import ray
+
+        settings = self._settings
+        pool = self._direct_pool
+        if pool is None:
+            # Sized once: an epoch started early shares it with the current one, so it is
+            # never replaced while the loader lives (close() drops it).
+            cpus = ray.cluster_resources().get("CPU", 1.0)
+            size = direct_pool_size(direct, cpus, plan.dataset.context)
+            # No CPUs held: like torch's worker processes they compete for the machine,
+            # and other Ray work (a len() that must count rows) is never locked out.
+            spec = WorkerSpec(
+                num_workers=size,
+                collate_fn=None,
+                auto_collation=False,
+                worker_init_fn=None,
+                base_seed=settings.seed,
+            )
+            options = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
+            pool = self._direct_pool = WorkerPool(
+                RunLoader(), spec, restartable=True, options=options
+            )
+        files = direct.source._files
+        buffer, buffer_seed = plan.local_shuffle_buffer_size, plan.local_shuffle_seed
+
+        def cut(blocks: Any) -> Any:
+            return cut_batches(
+                blocks,
+                batch_size=settings.batch_size,
+                drop_last=settings.drop_last,
+                buffer=buffer,
+                seed=buffer_seed,
+            )
+
+        work = ray.put(direct.work(plan.dataset.context))
+        return DirectProducer(
+            pool,
+            # Nested in a list, the reference reaches the actors unresolved (they keep it).
+            [([work], tuple(run)) for run in direct_runs(files)],
+            window=settings.prefetch * len(pool),
+            prefetch=settings.prefetch,
+            cut=cut,
+            collate=settings.collate_fn or numpy_batch_to_tensors,
+            skip=skip,
+            start_next=start_next,
+            description=(
+                f"{' -> '.join(direct.names)} on {len(pool)} raydl actors ({len(files)} files)"
+            ),
+            name=f"raydl-epoch-{epoch}-direct",
+        )
+
+    # -- several ranks ------------------------------------------------------------------
+
+    def _ranks_epoch(self, epoch: int, resume: LoaderState | None, *, elastic: bool) -> EpochStart:
+        """This rank's part of the epoch rank 0 planned (the rest of ``resume``, if given).
+
+        ``elastic``: ``resume`` was saved at another world size; its rest is re-dealt.
+
+        Under several ranks the broadcast is also where rank 0 learns that every
+        rank finished the previous epoch, so it can let go of the previous parts.
+        """
+        world = self._world
+        plan = self._rank0_plan(epoch, resume if elastic else None) if world.rank == 0 else None
+        if world.is_distributed:
+            plan = Channel.get(world).broadcast(plan)
+        assert plan is not None
+        epoch = plan.epoch
+        self._retire_splits()
+        self._splits = plan.parts if world.rank == 0 else None
+        record = EpochRecord(epoch=epoch)
+        if plan.are_splits:
+            source, length = plan.parts[world.rank], None
+            skip = resume.batches_consumed if resume is not None else 0
+            buffer, buffer_seed = plan.buffer, rank_seed(plan.buffer_seed, world.rank)
+        else:
+            assert resume is not None
+            source, length = self._elastic_share(plan.parts)
+            record.prior = resume.segments
+            skip, buffer, buffer_seed = 0, None, None
+        on_exhausted = None
+        if world.is_distributed:
+            timeout = self._settings.timeout
+            barrier_timeout = timeout if timeout > 0 else 1800.0
+            channel = Channel.get(world)
+
+            def on_exhausted() -> None:
+                channel.barrier(barrier_timeout, f"the end of epoch {epoch}")
+
+        producer = self._ray_producer(source, epoch, skip, buffer, buffer_seed)
+        if length is None:
+            length = self._length_or_none(epoch)
+        return EpochStart(producer, record, skip=skip, length=length, on_exhausted=on_exhausted)
+
+    def _rank0_plan(self, epoch: int, elastic: LoaderState | None) -> RankPlan:
+        """Rank 0's plan of the epoch for every rank (see :class:`RankPlan`)."""
+        world, settings = self._world, self._settings
+        plan = self._plan(epoch)
+        if elastic is None:
+            splits = plan.dataset.streaming_split(world.world_size, equal=True)
+            return RankPlan(
+                epoch,
+                splits,
+                are_splits=True,
+                buffer=plan.local_shuffle_buffer_size,
+                buffer_seed=plan.local_shuffle_seed,
+            )
+        shares: Any = ray_shares(
+            plan.dataset,
+            elastic,
+            world.world_size,
+            batch_size=settings.batch_size,
+            drop_last=settings.drop_last,
+            buffer=plan.local_shuffle_buffer_size,
+            buffer_seed=plan.local_shuffle_seed,
+            direct=elastic.direct_execution is True,
+        )
+        if world.is_distributed:
+            import ray
+
+            shares = ray.remote(num_cpus=0)(ShareHolder).remote(shares)
+        return RankPlan(epoch, shares, are_splits=False)
+
+    def _elastic_share(self, shares: Any) -> tuple[Any, int]:
+        """This rank's dataset of the rest of an elastic epoch, and its batch count."""
+        import ray
+        import ray.data
+
+        world, settings = self._world, self._settings
+        if world.is_distributed:
+            table = ray.get(shares.share.remote(world.rank))
+        else:
+            table = shares[world.rank]
+        count = batch_counts(table.num_rows, settings.batch_size, settings.drop_last)
+        return ray.data.from_arrow(table), count
+
+    def _retire_splits(self) -> None:
+        """Stop the previous epoch's split coordinator (rank 0 only; it owns it).
+
+        Every rank has moved past that epoch (they all reached this epoch's
+        broadcast, or the loader is closing), so nobody reads from it any more;
+        killing it stops an abandoned epoch's pipeline from holding cluster
+        resources while it waits for readers that will never come.
+        """
+        splits, self._splits = self._splits, None
+        if splits and cluster.is_connected():
+            # streaming_split's coordinator, or an elastic epoch's share holder
+            coordinator = split_coordinator(splits) if isinstance(splits, list) else splits
+            if coordinator is not None:
+                import ray
+
+                with contextlib.suppress(Exception):
+                    ray.kill(coordinator)

@@ -1,0 +1,61 @@
+"""What an epoch source hands the loader for one epoch: its producer and its record.
+
+The :class:`EpochRecord` is everything a ``state_dict()`` taken during the epoch
+needs besides the number of batches delivered (which the epoch's iterator
+counts): one object per epoch, replaced at the next ``iter()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raydl._internal.stream.epoch_iterator import Producer
+
+
+@dataclass
+class EpochRecord:
+    """The resume record of one epoch.
+
+    Attributes:
+        epoch: The epoch's number.
+        rng: The RNG state the epoch's sampler was drawn from (map-style).
+        sampler_epoch: The sampler's ``epoch`` attribute at the start (map-style).
+        prior: ``(world size, batches per rank)`` of the epoch's earlier segments,
+            when it was resumed at another world size.
+        order: How the epoch's order was drawn (map-style; for elastic resume).
+        worker_seed: The workers' base seed (persistent workers: drawn once).
+        direct: The epoch ran on raydl's own actors, not on Ray Data.
+    """
+
+    epoch: int
+    rng: dict[str, str] | None = None
+    sampler_epoch: int | None = None
+    prior: list[tuple[int, int]] = field(default_factory=list)
+    order: dict[str, Any] | None = None
+    worker_seed: int | None = None
+    direct: bool = False
+
+
+@dataclass
+class EpochStart:
+    """One epoch, started: what feeds it and what the loader records of it.
+
+    Attributes:
+        producer: What feeds the epoch's iterator.
+        record: Its resume record.
+        skip: Batches of the epoch already consumed (a resume).
+        length: The epoch's batches, when known.
+        on_exhausted: Called once the epoch's last batch was taken.
+    """
+
+    producer: Producer
+    record: EpochRecord
+    skip: int = 0
+    length: int | None = None
+    on_exhausted: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        """Stop an epoch that will not be iterated (an early start discarded)."""
+        self.producer.close()

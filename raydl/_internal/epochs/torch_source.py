@@ -1,0 +1,229 @@
+"""Epochs of a torch ``Dataset``: map-style or iterable, on a pool of Ray actors.
+
+A :class:`TorchSource` owns the dataset's workers for the loader's life:
+
+* persistent workers: one pool, kept until ``close()``;
+* otherwise each epoch owns a pool while it runs, as each torch iterator owns
+  its processes (two live iterators, ``zip(loader, loader)``, are independent).
+  At the end of the epoch the pool is parked, and a later epoch resets its
+  actors instead of starting new processes.
+
+Order is torch's: the sampler is iterated on the trainer's thread, and the RNG
+draws (sampler iterator, then workers' base seed) happen in torch's order, so
+the same ``torch.manual_seed`` gives the same batches as torch's loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raydl._internal.epochs.elastic import batch_counts
+from raydl._internal.epochs.record import EpochRecord, EpochStart
+from raydl._internal.epochs.resume import map_style_share, sampler_spec
+from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
+from raydl._internal.runtime.world import World
+from raydl._internal.stream.batching import skip_consumed
+from raydl._internal.stream.pool_producers import IterableProducer, MapStyleProducer
+from raydl._internal.torch_args import ITERABLE, TorchArgs
+from raydl._internal.workers.pool import WorkerPool
+from raydl._internal.workers.worker import WorkerSpec
+
+
+@dataclass(frozen=True)
+class TorchSettings:
+    """The loader's arguments a torch ``Dataset``'s epochs need."""
+
+    args: TorchArgs
+    num_workers: int
+    prefetch: int
+    in_order: bool
+    persistent_workers: bool
+    worker_init_fn: Callable[[int], None] | None
+    generator: torch.Generator | None
+    worker_options: dict[str, Any]
+
+
+class TorchSource:
+    """The epochs of a map-style or iterable torch ``Dataset``."""
+
+    def __init__(self, dataset: Any, settings: TorchSettings, world: World) -> None:
+        self._dataset = dataset
+        self._settings = settings
+        self._args = settings.args
+        self._world = world
+        self._iterable = settings.args.kind == ITERABLE
+        self._pool: WorkerPool | None = None  # persistent workers
+        self._parked: list[WorkerPool] = []  # idle pools of finished epochs
+        self._worker_seed: int | None = None  # base seed of the persistent workers
+
+    # -- length ---------------------------------------------------------------------
+
+    def length(self, epoch: int) -> int:
+        """Batches of an epoch; ``TypeError`` when the dataset has no length."""
+        if self._iterable:
+            return batch_counts(len(self._dataset), self._args.batch_size, self._args.drop_last)
+        return len(self._index_sampler)
+
+    @property
+    def _index_sampler(self) -> Any:
+        args = self._args
+        return args.batch_sampler if args.batch_sampler is not None else args.sampler
+
+    def dataset_len(self) -> int | None:
+        """``len(dataset)``, or ``None`` when it has none (recorded in states)."""
+        try:
+            return len(self._dataset)
+        except TypeError:
+            return None
+
+    # -- an epoch -------------------------------------------------------------------
+
+    def start_epoch(self, epoch: int, resume: LoaderState | None, lookahead: int) -> EpochStart:
+        """Start ``epoch`` (the rest of it when ``resume``); ``lookahead``: extra requests ahead."""
+        args, world = self._args, self._world
+        if args.auto_sharded:
+            args.sampler.set_epoch(epoch)
+        record = EpochRecord(epoch=epoch)
+        index_iter: Iterator[Any] | None = None
+        length: int | None = None
+        if resume is not None and resume.needs_elastic(world.world_size):
+            # The rest of an epoch saved at another world size: rebuild its order
+            # and deal what no rank consumed; the record keeps describing that epoch.
+            share = map_style_share(
+                resume, world.world_size, world.rank, args.batch_size, args.drop_last
+            )
+            record.rng, record.sampler_epoch = resume.rng, resume.sampler_epoch
+            record.order, record.prior = resume.order, resume.segments
+            index_iter, length, resume = iter(share), len(share), None
+        else:
+            if resume is not None:
+                self._restore_rng(resume)
+            record.rng = self._capture_rng()
+            record.sampler_epoch = getattr(args.sampler, "epoch", None)
+            persistent = self._settings.persistent_workers
+            record.order = {
+                **sampler_spec(args.sampler, args.batch_sampler),
+                "worker_seed_drawn": not (persistent and self._pool is not None),
+            }
+            # torch draws the sampler iterator, then the workers' base seed, in this
+            # order; persistent workers are seeded once, so torch draws it only once.
+            if not self._iterable:
+                index_iter = iter(self._index_sampler)
+                length = len(self._index_sampler)
+        pool, on_close = self._epoch_pool(resume)
+        record.worker_seed = self._worker_seed if self._settings.persistent_workers else None
+        skip = resume.batches_consumed if resume is not None else 0
+        prefetch = self._settings.prefetch
+        producer: MapStyleProducer | IterableProducer
+        if index_iter is None:
+            producer = IterableProducer(pool, prefetch=prefetch, skip=skip, on_close=on_close)
+            length = self._length_or_none(epoch)
+        else:
+            # A resumed map-style epoch skips the consumed batches' indices: nothing is
+            # fetched again.
+            producer = MapStyleProducer(
+                pool,
+                skip_consumed(index_iter, skip),
+                lookahead=prefetch * len(pool) + lookahead,
+                in_order=self._settings.in_order,
+                on_close=on_close,
+            )
+        return EpochStart(producer, record, skip=skip, length=length)
+
+    def _length_or_none(self, epoch: int) -> int | None:
+        try:
+            return self.length(epoch)
+        except TypeError:
+            return None
+
+    # -- workers --------------------------------------------------------------------
+
+    def _epoch_pool(
+        self, resume: LoaderState | None
+    ) -> tuple[WorkerPool, Callable[[], None] | None]:
+        """The epoch's pool, and what to do with it when the epoch ends."""
+        settings = self._settings
+        if settings.persistent_workers and self._pool is not None:
+            return self._pool, None
+        if settings.persistent_workers and resume is not None and resume.worker_seed is not None:
+            base_seed = resume.worker_seed  # drawn in the first epoch, not now
+        else:
+            base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=settings.generator).item()
+            )
+        pool = self._fresh_pool(base_seed)
+        if settings.persistent_workers:
+            self._worker_seed = base_seed
+            self._pool = pool
+            return pool, None
+        return pool, lambda: self._park(pool)
+
+    def _fresh_pool(self, base_seed: int) -> WorkerPool:
+        """A pool whose workers are new for this epoch: a parked one reset, or a new one."""
+        args, settings = self._args, self._settings
+        spec = WorkerSpec(
+            num_workers=max(1, settings.num_workers),
+            collate_fn=args.collate_fn,
+            auto_collation=args.batch_sampler is not None,
+            worker_init_fn=settings.worker_init_fn,
+            base_seed=base_seed,
+            batch_size=args.batch_size,
+            drop_last=args.drop_last,
+        )
+        if self._parked:
+            pool = self._parked.pop()
+            pool.reset(spec)
+            return pool
+        return WorkerPool(
+            self._dataset, spec, restartable=not self._iterable, options=settings.worker_options
+        )
+
+    def _park(self, pool: WorkerPool) -> None:
+        # Parked actors only cost memory when they hold no resources (Ray's actor
+        # default). Workers given resources (worker_options) release them as torch's
+        # processes would: other work on the cluster may need those CPUs/GPUs.
+        if pool.actors and not self._settings.worker_options:
+            self._parked.append(pool)
+        else:
+            pool.kill()
+
+    # -- RNG ------------------------------------------------------------------------
+
+    def _capture_rng(self) -> dict[str, str]:
+        generator = self._settings.generator
+        if generator is not None:
+            return {"source": "generator", "state": encode_rng(generator.get_state())}
+        return {"source": "global", "state": encode_rng(torch.get_rng_state())}
+
+    def _restore_rng(self, state: LoaderState) -> None:
+        if state.rng is None:
+            return
+        rng = decode_rng(state.rng["state"])
+        generator = self._settings.generator
+        if state.rng["source"] == "generator" and generator is not None:
+            generator.set_state(rng)
+        elif state.rng["source"] == "global":
+            torch.set_rng_state(rng)
+        set_epoch = getattr(self._args.sampler, "set_epoch", None)
+        if state.sampler_epoch is not None and set_epoch is not None:
+            set_epoch(state.sampler_epoch)
+
+    # -- the loader's life ------------------------------------------------------------
+
+    def expect(self, epoch: int, *, resume: bool) -> None:
+        """The loader's next ``iter()`` runs ``epoch``; torch epochs are never started early."""
+
+    def discard_early(self, keep: int | None = None) -> None:
+        """Nothing is started early for torch datasets."""
+
+    def close(self) -> None:
+        """Stop every actor of this source (the next epoch starts new ones)."""
+        pool, self._pool = self._pool, None
+        parked, self._parked = self._parked, []
+        for each in [pool, *parked]:
+            if each is not None:
+                each.kill()

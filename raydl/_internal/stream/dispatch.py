@@ -1,0 +1,241 @@
+"""Requests to a pool of workers: round-robin sends, ordered collection, retries.
+
+The logic runs over two small interfaces, so unit tests drive it without Ray:
+
+* :class:`Calls`: submit a method call to an actor, get a result (in slices of
+  at most a timeout), wait for the first of several results. :class:`RayCalls`
+  is the real one; a worker's death surfaces as :class:`WorkerLost`, a task's
+  exception as the exception itself.
+* a pool: ``actors`` (a list, emptied by ``close()``), ``restart(worker_id,
+  dead)`` returning the worker's new actor, and ``len()``
+  (:class:`~raydl._internal.workers.pool.WorkerPool`).
+
+A :class:`Dispatcher` sends each request to the next worker round-robin and
+collects replies in request order (or the first one ready). A worker that dies
+mid-request is replaced and the request re-sent on the new worker alone, at most
+``retries`` times; the dead worker's other requests are held back until that retry
+succeeds (a worker killed by request B may take the reply of the request before
+B down with it: retried together, that request would fail each time and be
+blamed for B). Requests are pure functions of their argument, so nothing is
+lost or duplicated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from raydl._internal.workers.pool import MAX_TASK_RETRIES, stopped_error
+from raydl.errors import WorkerDiedError
+
+
+class WorkerLost(Exception):
+    """The actor running a call died (:class:`Calls` raises it from ``get``)."""
+
+
+class ResultTimeout(Exception):
+    """A ``get`` or ``wait`` slice ran out (:class:`Calls` raises it from ``get``)."""
+
+
+class Calls(Protocol):
+    """How work reaches the workers; :class:`RayCalls` in production, fakes in tests."""
+
+    def submit(self, actor: Any, method: str, *args: Any) -> Any:
+        """Start ``actor.method(*args)``; a reference to its result."""
+        ...
+
+    def get(self, ref: Any, timeout: float) -> Any:
+        """The result of ``ref`` within ``timeout`` seconds.
+
+        Raises:
+            ResultTimeout: Not ready yet.
+            WorkerLost: The actor died.
+        """
+        ...
+
+    def wait(self, refs: Sequence[Any], timeout: float) -> list[Any]:
+        """Those of ``refs`` that are ready (at least one, unless ``timeout`` ran out)."""
+        ...
+
+
+class Pool(Protocol):
+    """The workers a :class:`Dispatcher` sends to."""
+
+    actors: list[Any]
+
+    def restart(self, worker_id: int, dead: Any) -> Any:
+        """Replace ``dead``, worker ``worker_id``'s actor; that worker's actor now."""
+        ...
+
+    def __len__(self) -> int: ...
+
+
+class RayCalls:
+    """:class:`Calls` over Ray actors."""
+
+    def submit(self, actor: Any, method: str, *args: Any) -> Any:
+        return getattr(actor, method).remote(*args)
+
+    def get(self, ref: Any, timeout: float) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except GetTimeoutError:
+            raise ResultTimeout from None
+        except RayActorError as err:
+            raise WorkerLost(type(err).__name__) from err
+        except RayTaskError as err:
+            raise err.as_instanceof_cause() from None
+
+    def wait(self, refs: Sequence[Any], timeout: float) -> list[Any]:
+        import ray
+
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=timeout)
+        return list(ready)
+
+
+#: How long one wait for a result lasts before the caller's ``between`` hook runs.
+SLICE_S = 0.05
+
+
+class _Request:
+    """One request in flight: its argument, its worker, its attempts."""
+
+    __slots__ = ("actor", "arg", "attempts", "ref", "worker_id")
+
+    def __init__(self, ref: Any, arg: Any, worker_id: int, actor: Any) -> None:
+        self.ref = ref  # None while held back
+        self.arg = arg
+        self.worker_id = worker_id
+        self.actor = actor  # the actor it was sent to (a restart replaces it)
+        self.attempts = 0
+
+
+def get_sliced(
+    calls: Calls,
+    ref: Any,
+    *,
+    between: Callable[[], None],
+    what: Callable[[], str],
+    worker_id: int,
+    retries: int,
+) -> Any:
+    """``calls.get(ref)`` in slices, calling ``between`` after each; a named error on death.
+
+    No overall timeout: torch's ``timeout`` bounds the trainer's wait in
+    ``next()``, not how long a batch takes to load while the trainer is busy.
+    """
+    while True:
+        try:
+            return calls.get(ref, SLICE_S)
+        except ResultTimeout:
+            between()
+        except WorkerLost as err:
+            raise WorkerDiedError(
+                f"Ray worker {worker_id} died while loading {what()} "
+                f"(retried {retries} times on a fresh worker; {err}). If "
+                "this input crashes the worker process every time (os._exit, a segfault "
+                "in a decoder, out of memory), fix or remove it; the worker's own log is "
+                "in Ray's session directory (/tmp/ray/session_latest/logs)."
+            ) from err
+
+
+class Dispatcher:
+    """Sends requests to a pool's workers round-robin and collects their replies.
+
+    Args:
+        pool: The workers (see the module docstring).
+        calls: How calls reach them.
+        method: The actor method each request calls with its argument.
+        describe: Names a request's argument in an error ("indices [3, 4]").
+        between: Called while a wait goes on (it may raise to stop the wait).
+        retries: Times one request is re-sent after its worker died.
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        calls: Calls,
+        *,
+        method: str,
+        describe: Callable[[Any], str],
+        between: Callable[[], None],
+        retries: int = MAX_TASK_RETRIES,
+    ) -> None:
+        self._pool = pool
+        self._calls = calls
+        self._method = method
+        self._describe = describe
+        self._between = between
+        self._retries = retries
+        self._pending: deque[_Request] = deque()
+        self._next_worker = 0
+
+    def __len__(self) -> int:
+        """Requests sent and not yet collected."""
+        return len(self._pending)
+
+    def send(self, arg: Any) -> None:
+        """Send one request to the next worker, round-robin."""
+        actors = self._pool.actors
+        if not actors:
+            raise stopped_error()
+        worker_id = self._next_worker
+        self._next_worker = (worker_id + 1) % len(actors)
+        actor = actors[worker_id]
+        self._pending.append(
+            _Request(self._calls.submit(actor, self._method, arg), arg, worker_id, actor)
+        )
+
+    def collect(self, *, in_order: bool = True) -> Any:
+        """The reply to the oldest request (``in_order``) or to the first one ready."""
+        request = self._pending[0] if in_order else self._first_ready()
+        while True:
+            try:
+                reply = get_sliced(
+                    self._calls,
+                    request.ref,
+                    between=self._between,
+                    what=lambda: self._describe(request.arg),
+                    worker_id=request.worker_id,
+                    retries=request.attempts,
+                )
+                break
+            except WorkerDiedError as err:
+                if not isinstance(err.__cause__, WorkerLost) or request.attempts >= self._retries:
+                    raise
+                request.attempts += 1
+                self._retry_alone(request)
+        self._pending.remove(request)
+        self._resend_held(request.worker_id)
+        return reply
+
+    def _retry_alone(self, failed: _Request) -> None:
+        actor = self._pool.restart(failed.worker_id, failed.actor)
+        for request in self._pending:
+            if request.worker_id == failed.worker_id:
+                request.ref = None
+        failed.actor = actor
+        failed.ref = self._calls.submit(actor, self._method, failed.arg)
+
+    def _resend_held(self, worker_id: int) -> None:
+        held = [r for r in self._pending if r.worker_id == worker_id and r.ref is None]
+        if not held:
+            return
+        if not self._pool.actors:
+            raise stopped_error()
+        actor = self._pool.actors[worker_id]
+        for request in held:
+            request.actor = actor
+            request.ref = self._calls.submit(actor, self._method, request.arg)
+
+    def _first_ready(self) -> _Request:
+        while True:
+            refs = [request.ref for request in self._pending]
+            ready = self._calls.wait([ref for ref in refs if ref is not None], SLICE_S)
+            if ready:
+                return self._pending[refs.index(ready[0])]
+            self._between()

@@ -1,0 +1,169 @@
+"""The one iterator type of an epoch, over whichever producer feeds it.
+
+A :class:`Producer` fills a :class:`~raydl._internal.stream.handoff.Handoff` from
+its own thread (map-style and iterable fetch threads, raydl's direct runs, Ray
+Data's producer, or a device copy stage over any of these). The
+:class:`EpochIterator` is what ``iter(loader)`` returns. On the trainer's thread,
+it alone:
+
+* counts the batches delivered, from a resumed epoch's offset (``skip``);
+* pins host batches (``pin_memory=True`` without a device copy);
+* times the trainer's wait inside ``next()`` and updates the progress bar;
+* applies torch's ``timeout`` to that wait;
+* closes the producer on exhaustion, an exception, ``close()`` or collection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
+
+from raydl._internal.runtime.cluster import is_connected
+from raydl._internal.stream.handoff import Handoff
+from raydl._internal.stream.metrics import EpochStats, logger
+from raydl.errors import LoaderTimeoutError
+
+
+class Producer:
+    """What feeds an epoch: a thread filling :attr:`handoff`, and its Ray work.
+
+    Subclasses start their thread in ``__init__`` (``self.handoff.start(...)``)
+    and override the hooks they need. A producer never refers to its
+    iterator, so a dropped iterator is collected and its ``close()`` runs.
+    """
+
+    handoff: Handoff
+
+    def taken(self) -> None:
+        """Called on the trainer's thread after each batch it took (map-style: draw the next)."""
+
+    def deliver(self, item: Any) -> Any:
+        """The batch for an item taken from :attr:`handoff` (on the trainer's thread)."""
+        return item
+
+    def summary(self) -> str | None:
+        """A one-line account of the epoch's execution, once it is exhausted."""
+        return None
+
+    def close(self, *, stalled: bool = False) -> None:
+        """Stop the thread and, while Ray is connected, release this epoch's Ray work.
+
+        ``stalled``: the trainer gave up waiting (a timeout), so the thread may be
+        stuck inside Ray; stop what it waits for rather than waiting long for it.
+        Called once.
+        """
+        self.handoff.stop()
+        if is_connected():  # after ray.shutdown() (e.g. at exit) there is nothing to release
+            self.release()
+
+    def release(self) -> None:
+        """Release this epoch's Ray work (actors back to their owner, executors shut down)."""
+
+
+class EpochIterator(Iterator[Any]):
+    """One epoch's batches, as ``iter(loader)`` returns them.
+
+    Args:
+        producer: What feeds the epoch.
+        epoch: The epoch's number.
+        skip: Batches of this epoch consumed before a resume (the count starts there).
+        length: Batches of the epoch, when known (``len()``).
+        timeout: torch's ``timeout``: seconds ``next()`` may wait, ``0`` for no bound.
+        pin_memory: Pin each batch before it is returned.
+        on_exhausted: Called once the epoch's last batch was taken (a rank's barrier).
+    """
+
+    def __init__(
+        self,
+        producer: Producer,
+        *,
+        epoch: int,
+        skip: int = 0,
+        length: int | None = None,
+        timeout: float = 0,
+        pin_memory: bool = False,
+        on_exhausted: Callable[[], None] | None = None,
+    ) -> None:
+        self._producer = producer
+        self._handoff = producer.handoff
+        self._length = length
+        self._timeout = timeout
+        self._pin = pin_memory
+        self._on_exhausted = on_exhausted
+        self._closed = False
+        self._stalled = False  # a wait timed out
+        self.epoch = epoch
+        self.num_yielded = skip
+        self.exhausted = False
+        self.stats = EpochStats(epoch=epoch)
+        self.progress: Any = None  # a tqdm bar, when the loader asks for one
+        self.log_summary = False  # log the epoch's summary line when it ends
+        self.loader: Any = (
+            None  # a running epoch keeps its loader alive (`for b in DataLoader(...)`)
+        )
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this loader's length is not known in advance")
+        return self._length
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        started = time.perf_counter()
+        try:
+            batch = self._producer.deliver(self._handoff.take(self._timeout))
+            self._producer.taken()
+        except StopIteration:
+            self._end()
+            raise
+        except LoaderTimeoutError:
+            self._stalled = True
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        if self._pin:
+            batch = pin_structure(batch)
+        self.num_yielded += 1
+        self.stats.record(batch, time.perf_counter() - started)
+        if self.progress is not None:
+            self.progress.update(1)
+        return batch
+
+    def _end(self) -> None:
+        if self._closed:
+            return
+        self.exhausted = True
+        self.stats.finish()
+        self.stats.ray_data = self._producer.summary()
+        if self.log_summary:
+            logger.info(self.stats.summary_line())
+        self.close()
+        if self._on_exhausted is not None:
+            self._on_exhausted()
+
+    def close(self) -> None:
+        """Release this epoch's work; further ``next()`` calls raise ``StopIteration``."""
+        # A closed epoch must not keep its loader alive, or a loader dropped after its
+        # epoch lives on in a reference cycle (loader <-> iterator) with its next epoch.
+        self.loader = None
+        if self._closed:
+            return
+        self._closed = True
+        self.stats.finish()
+        if self.progress is not None:
+            self.progress.close()
+        self._producer.close(stalled=self._stalled)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

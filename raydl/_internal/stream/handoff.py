@@ -1,0 +1,181 @@
+"""The one hand-off between a producer thread and the thread that consumes its items.
+
+Every background thread of an epoch (a fetch thread, Ray Data's producer, the
+device copy, the builder of an early epoch) hands its items over a
+:class:`Handoff`: a queue that also carries the end of the stream and a failure,
+a stop flag the consumer sets, and the producer thread, whose death is noticed.
+
+* The producer runs as ``handoff.start(body, name=...)``: ``body`` calls
+  :meth:`Handoff.put` for each item. Returning ends the stream; raising puts the
+  exception (as the consumer should see it, see ``describe_error``); a ``put``
+  after :meth:`Handoff.stop` raises :class:`Stopped`, which unwinds ``body``
+  quietly.
+* The consumer calls :meth:`Handoff.take`: the next item, ``StopIteration`` at
+  the end or once stopped, the producer's exception re-raised, torch's timeout
+  error after ``timeout`` seconds, or an error naming the thread if it died
+  without a word.
+
+Waits run in short slices, so a blocked side always notices the other's stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raydl.errors import LoaderTimeoutError
+
+#: How long one wait lasts before a blocked side looks again at the stop flag.
+SLICE_S = 0.05
+
+
+class Stopped(Exception):
+    """Raised by :meth:`Handoff.put` once the consumer stopped the hand-off."""
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+def timeout_error(timeout: float) -> LoaderTimeoutError:
+    """torch's wording for a loader that waited ``timeout`` seconds for a batch."""
+    return LoaderTimeoutError(f"DataLoader timed out after {timeout} seconds")
+
+
+class Handoff:
+    """Items from one producer thread to one consumer, then the end or a failure.
+
+    Args:
+        maxsize: Items queued at most (``0``: unbounded); a full queue blocks ``put``.
+
+    Example:
+        >>> h = Handoff(maxsize=2)
+        >>> h.start(lambda: [h.put(i) for i in range(3)], name="raydl-example")
+        >>> [h.take(timeout=0) for _ in range(3)]
+        [0, 1, 2]
+    """
+
+    def __init__(self, maxsize: int = 0) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(0, maxsize))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ended = False  # the consumer took the end or a failure
+
+    # -- the producer's side ------------------------------------------------------------
+
+    def start(
+        self,
+        body: Callable[[], None],
+        *,
+        name: str,
+        describe_error: Callable[[BaseException], BaseException] | None = None,
+    ) -> None:
+        """Run ``body`` on a new daemon thread called ``name`` as this hand-off's producer.
+
+        ``describe_error`` turns an exception of ``body`` into the one the
+        consumer raises (e.g. a user's exception out of Ray's wrapper).
+        """
+
+        def run() -> None:
+            try:
+                body()
+            except Stopped:
+                return
+            except BaseException as err:
+                self._put_final(_Failure(describe_error(err) if describe_error else err))
+                return
+            self._put_final(_END)
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        """Queue ``item``, waiting while the queue is full; :class:`Stopped` once stopped."""
+        while True:
+            if self._stop.is_set():
+                raise Stopped
+            try:
+                self._queue.put(item, timeout=SLICE_S)
+                return
+            except queue.Full:
+                continue
+
+    def _put_final(self, item: Any) -> None:
+        with contextlib.suppress(Stopped):  # nobody is waiting for it any more
+            self.put(item)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the consumer stopped this hand-off (the producer should stop too)."""
+        return self._stop.is_set()
+
+    def wait_stopped(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, returning early (``True``) once stopped."""
+        return self._stop.wait(seconds)
+
+    # -- the consumer's side ------------------------------------------------------------
+
+    def take(self, timeout: float) -> Any:
+        """The next item, waiting at most ``timeout`` seconds (``0``: no bound).
+
+        Raises:
+            StopIteration: The stream ended, or :meth:`stop` was called.
+            LoaderTimeoutError: Nothing came within ``timeout`` seconds.
+            RuntimeError: The producer thread ended without ending the stream.
+            BaseException: Whatever the producer raised.
+        """
+        if self._ended:
+            raise StopIteration
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        while True:
+            wait = SLICE_S * 4
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._unpack(self._queue.get(timeout=wait))
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                raise StopIteration
+            thread = self._thread
+            if thread is not None and not thread.is_alive():
+                try:
+                    return self._unpack(self._queue.get_nowait())
+                except queue.Empty:
+                    raise RuntimeError(
+                        f"raydl's {thread.name} thread ended without a result; this is a bug "
+                        "in raydl, please report it with the loader's arguments"
+                    ) from None
+            if deadline is not None and time.monotonic() >= deadline:
+                raise timeout_error(timeout)
+
+    def _unpack(self, item: Any) -> Any:
+        if item is _END:
+            self._ended = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._ended = True
+            raise item.error
+        return item
+
+    def stop(self, *, join_s: float = 10.0) -> None:
+        """Stop the producer: its next ``put`` raises :class:`Stopped`; wait ``join_s`` for it."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and join_s > 0:
+            thread.join(timeout=join_s)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The producer thread, once started."""
+        return self._thread

@@ -1,0 +1,178 @@
+"""torch's ``DataLoader`` arguments: its checks, its errors and its sampler defaults.
+
+:func:`resolve` follows ``torch.utils.data.DataLoader.__init__`` line by line, so
+a script that torch rejects is rejected here with torch's message, and one that
+torch accepts gets the same sampler, batch sampler and collate function. The one
+raydl addition: under several ranks a map-style dataset without a sampler is
+sharded with a ``DistributedSampler``, as if the script had passed one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data.dataloader import _InfiniteConstantSampler
+
+from raydl._internal.runtime.world import World
+from raydl.pipelines import PerEpoch
+
+#: The kinds of dataset, as a saved state names them.
+MAP, ITERABLE, RAY = "map", "iterable", "ray"
+
+
+def dataset_kind(obj: object) -> str:
+    """``"ray"`` for a ``ray.data.Dataset`` or :class:`PerEpoch`, else torch's two kinds."""
+    if isinstance(obj, PerEpoch):
+        return RAY
+    if any(
+        c.__module__.startswith("ray.data") and c.__name__ == "Dataset" for c in type(obj).__mro__
+    ):
+        return RAY
+    return ITERABLE if isinstance(obj, IterableDataset) else MAP
+
+
+@dataclass(frozen=True)
+class TorchArgs:
+    """torch's arguments after torch's checks and defaults.
+
+    Attributes:
+        kind: ``"map"``, ``"iterable"`` or ``"ray"``.
+        shuffle: Reshuffle every epoch.
+        batch_size: ``None`` when a ``batch_sampler`` batches (or batching is off).
+        drop_last: Drop the last incomplete batch.
+        sampler: The index sampler (``None`` for Ray Data sources).
+        batch_sampler: The batch sampler, when batching is automatic.
+        collate_fn: The collate function (torch's default for the kind).
+        prefetch_factor: ``None`` without workers, as in torch.
+        auto_sharded: ``sampler`` is the ``DistributedSampler`` raydl added.
+    """
+
+    kind: str
+    shuffle: bool
+    batch_size: int | None
+    drop_last: bool
+    sampler: Any
+    batch_sampler: Any
+    collate_fn: Callable[[Any], Any] | None
+    prefetch_factor: int | None
+    auto_sharded: bool
+
+
+def resolve(
+    dataset: Any,
+    *,
+    batch_size: int | None,
+    shuffle: bool | None,
+    sampler: Sampler[Any] | Iterable[Any] | None,
+    batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None,
+    num_workers: int,
+    collate_fn: Callable[[Any], Any] | None,
+    drop_last: bool,
+    timeout: float,
+    generator: torch.Generator | None,
+    prefetch_factor: int | None,
+    persistent_workers: bool,
+    seed: int | None,
+    world: World,
+) -> TorchArgs:
+    """Check torch's arguments as torch does and fill in torch's defaults."""
+    if num_workers < 0:
+        raise ValueError(
+            "num_workers option should be non-negative; "
+            "use num_workers=0 to disable multiprocessing."
+        )
+    if timeout < 0:
+        raise ValueError("timeout option should be non-negative")
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError(
+            "prefetch_factor option could only be specified in multiprocessing."
+            "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+        )
+    if num_workers > 0 and prefetch_factor is None:
+        prefetch_factor = 2
+    elif prefetch_factor is not None and prefetch_factor < 0:
+        raise ValueError("prefetch_factor option should be non-negative")
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers option needs num_workers > 0")
+
+    kind = dataset_kind(dataset)
+    if kind != MAP:
+        name = "IterableDataset" if kind == ITERABLE else "ray.data.Dataset"
+        if kind == ITERABLE and shuffle not in {False, None}:
+            raise ValueError(
+                f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+            )
+        if sampler is not None:
+            raise ValueError(
+                f"DataLoader with {name}: expected unspecified sampler option, but got sampler={sampler}"
+            )
+        if batch_sampler is not None:
+            raise ValueError(
+                f"DataLoader with {name}: expected unspecified "
+                f"batch_sampler option, but got batch_sampler={batch_sampler}"
+            )
+        if kind == RAY and batch_size is None:
+            raise ValueError(
+                "DataLoader with ray.data.Dataset: batch_size=None (no automatic batching) "
+                "is not supported; use batch_size=1 for one row per batch."
+            )
+    shuffle = bool(shuffle)
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler option is mutually exclusive "
+                "with batch_size, shuffle, sampler, and "
+                "drop_last"
+            )
+        batch_size = None
+        drop_last = False
+    elif batch_size is None and drop_last:
+        raise ValueError(
+            "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+        )
+
+    auto_sharded = False
+    if kind == ITERABLE:
+        sampler = _InfiniteConstantSampler()
+    elif kind == MAP and sampler is None and batch_sampler is None and world.is_distributed:
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=world.world_size,
+            rank=world.rank,
+            shuffle=shuffle,
+            seed=seed or 0,
+        )
+        auto_sharded = True
+    elif kind == MAP and sampler is None:
+        sampler = (
+            RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        )
+    if batch_size is not None and batch_sampler is None and sampler is not None:
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+    if collate_fn is None and kind != RAY:
+        collate_fn = default_collate if batch_sampler is not None else default_convert
+    return TorchArgs(
+        kind=kind,
+        shuffle=shuffle,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        collate_fn=collate_fn,
+        prefetch_factor=prefetch_factor,
+        auto_sharded=auto_sharded,
+    )
