@@ -1,0 +1,401 @@
+"""The contenders: one class each, registered in ``REGISTRY``.
+
+A contender builds a ``Loader`` for each kind of workload (``tabular``, ``images``,
+``mapstyle``). Every contender gets the same CPU budget, ``NUM_CPUS``: torch
+``num_workers``, Ray ``num_cpus``. To add a contender, write a ``Contender`` subclass
+and add an instance to ``REGISTRY``; its position there is its place in the run order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from .config import NUM_CPUS, SEED, Batch, epoch_seed
+from .workloads import ImageData, MapStyleData, TabularData, WorkloadData
+from .workloads.images import decode_stage
+from .workloads.mapstyle import getitems_batch
+from .workloads.tabular import (
+    SHUFFLE_BUFFER,
+    ParquetStream,
+    ShuffleBuffer,
+    select_rows,
+    select_stage,
+    to_torch,
+)
+
+
+class Loader:
+    """One way to load one workload: ``epoch(e)`` returns the batches of epoch ``e``."""
+
+    def epoch(self, epoch: int) -> Iterable[Batch]:
+        """The batches of ``epoch``.
+
+        Args:
+            epoch: The epoch.
+
+        Returns:
+            An iterable over the epoch's batches.
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the loader's workers, if it has any."""
+
+
+class EpochFn(Loader):
+    """A loader that is a function of the epoch."""
+
+    def __init__(self, fn: Callable[[int], Iterable[Batch]]) -> None:
+        """Wrap ``fn``.
+
+        Args:
+            fn: Epoch -> its batches.
+        """
+        self.fn = fn
+
+    def epoch(self, epoch: int) -> Iterable[Batch]:
+        return self.fn(epoch)
+
+
+class TorchLoader(Loader):
+    """A torch-style loader (torch or raydl) reused across epochs."""
+
+    def __init__(self, loader: Any, before_epoch: Callable[[int], None] | None = None) -> None:
+        """Wrap ``loader``.
+
+        Args:
+            loader: A ``DataLoader`` or a ``RayDataLoader``.
+            before_epoch: Called with the epoch before each ``iter()`` (``set_epoch``).
+        """
+        self.loader = loader
+        self.before_epoch = before_epoch
+
+    def epoch(self, epoch: int) -> Iterable[Batch]:
+        if self.before_epoch is not None:
+            self.before_epoch(epoch)
+        return self.loader
+
+    def close(self) -> None:
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
+
+def start_ray() -> None:
+    """Start a local Ray limited to NUM_CPUS, quiet, the same way for ``ray`` and ``raydl``."""
+    import ray
+    from ray.data import DataContext
+
+    # address="local": always a fresh instance of our own, never another user's cluster.
+    ray.init(
+        address="local",
+        num_cpus=NUM_CPUS,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+    )
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+
+
+def map_style_args(batch_size: int) -> dict[str, Any]:
+    """A training script's map-style ``DataLoader`` call, identical for torch and raydl.
+
+    Args:
+        batch_size: Samples per batch.
+
+    Returns:
+        The loader's keyword arguments.
+    """
+    return {
+        "batch_size": batch_size,
+        "shuffle": True,
+        "num_workers": NUM_CPUS,
+        "persistent_workers": True,
+        "generator": torch.Generator().manual_seed(SEED),
+    }
+
+
+class Contender:
+    """One contender: builds its ``Loader`` for each kind of workload."""
+
+    #: The name on the command line and in the results.
+    name: ClassVar[str]
+    #: The workloads it runs; ``None``: all of them.
+    workloads: ClassVar[frozenset[str] | None] = None
+    #: Start a local Ray (``start_ray``) before building a loader.
+    uses_ray: ClassVar[bool] = False
+    #: Its bars' colour in ``results.png`` (a matplotlib colour).
+    colour: ClassVar[str] = "tab:purple"
+
+    def runs(self, workload: str) -> bool:
+        """Whether this contender runs ``workload``.
+
+        Args:
+            workload: The workload's name.
+
+        Returns:
+            Whether it is one of ``workloads``.
+        """
+        return self.workloads is None or workload in self.workloads
+
+    def loader(self, data: WorkloadData) -> Loader:
+        """This contender's loader for ``data``.
+
+        Args:
+            data: The loaded workload.
+
+        Returns:
+            The loader.
+        """
+        if self.uses_ray:
+            start_ray()
+        if isinstance(data, TabularData):
+            return self.tabular(data)
+        if isinstance(data, ImageData):
+            return self.images(data)
+        return self.mapstyle(data)
+
+    def tabular(self, data: TabularData) -> Loader:
+        """The loader for the tabular workload.
+
+        Args:
+            data: The loaded workload.
+
+        Returns:
+            The loader.
+        """
+        raise NotImplementedError
+
+    def images(self, data: ImageData) -> Loader:
+        """The loader for an image workload.
+
+        Args:
+            data: The loaded workload.
+
+        Returns:
+            The loader.
+        """
+        raise NotImplementedError
+
+    def mapstyle(self, data: MapStyleData) -> Loader:
+        """The loader for a map-style workload.
+
+        Args:
+            data: The loaded workload.
+
+        Returns:
+            The loader.
+        """
+        raise NotImplementedError
+
+
+def collated(dataset: Dataset, n: int, batch_size: int) -> Loader:
+    """One process indexing ``dataset`` in each epoch's random order and collating batches.
+
+    Args:
+        dataset: A map-style dataset.
+        n: Its length.
+        batch_size: Samples per batch.
+
+    Returns:
+        The loader.
+    """
+
+    def limit_epoch(epoch: int) -> Iterator[Batch]:
+        order = np.random.default_rng(epoch_seed(epoch, 1)).permutation(n)
+        for start in range(0, n, batch_size):
+            yield default_collate([dataset[int(i)] for i in order[start : start + batch_size]])
+
+    return EpochFn(limit_epoch)
+
+
+class Limit(Contender):
+    """``limit``: one process doing the same work, no IPC."""
+
+    name = "limit"
+    colour = "tab:gray"
+
+    def tabular(self, data: TabularData) -> Loader:
+        files, spam = data.files, data.spam
+
+        def limit_epoch(epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+            order = np.random.default_rng(epoch_seed(epoch, 1)).permutation(len(files))
+            buffer = ShuffleBuffer(
+                SHUFFLE_BUFFER, data.batch_size, np.random.default_rng(epoch_seed(epoch, 10))
+            )
+            for index in order:
+                for batch in buffer.push(select_rows(pq.read_table(files[index]), epoch, spam)):
+                    yield to_torch(batch)
+            for batch in buffer.drain():
+                yield to_torch(batch)
+
+        return EpochFn(limit_epoch)
+
+    def images(self, data: ImageData) -> Loader:
+        return collated(data.dataset, len(data.paths), data.batch_size)
+
+    def mapstyle(self, data: MapStyleData) -> Loader:
+        return collated(data.dataset, data.n, data.batch_size)
+
+
+class Torch(Contender):
+    """``torch``: the idiomatic ``DataLoader``."""
+
+    name = "torch"
+    colour = "tab:orange"
+
+    def tabular(self, data: TabularData) -> Loader:
+        stream = ParquetStream(data.files, data.spam)
+        loader = DataLoader(stream, batch_size=None, num_workers=NUM_CPUS, persistent_workers=True)
+        return TorchLoader(loader, before_epoch=stream.set_epoch)
+
+    def images(self, data: ImageData) -> Loader:
+        return TorchLoader(DataLoader(data.dataset, **map_style_args(data.batch_size)))
+
+    def mapstyle(self, data: MapStyleData) -> Loader:
+        return TorchLoader(DataLoader(data.dataset, **map_style_args(data.batch_size)))
+
+
+class PlainRay(Contender):
+    """``ray``: plain Ray Data ``iter_torch_batches`` over the same pipeline."""
+
+    name = "ray"
+    colour = "tab:green"
+    uses_ray = True
+
+    def tabular(self, data: TabularData) -> Loader:
+        import ray
+        from ray.data import FileShuffleConfig
+
+        def ray_epoch(epoch: int) -> Iterable[Batch]:
+            # Ray's own file shuffle: a new file order per epoch, streaming (no barrier).
+            order = FileShuffleConfig(seed=epoch_seed(epoch, 1), reseed_after_execution=False)
+            ds = select_stage(ray.data.read_parquet(data.files, shuffle=order), epoch, data.spam)
+            return ds.iter_torch_batches(
+                batch_size=data.batch_size,
+                local_shuffle_buffer_size=SHUFFLE_BUFFER,
+                local_shuffle_seed=epoch_seed(epoch, 10),
+            )
+
+        return EpochFn(ray_epoch)
+
+    def images(self, data: ImageData) -> Loader:
+        import ray
+        from ray.data import FileShuffleConfig
+
+        filesystem = data.arrow_filesystem()
+
+        def ray_epoch(epoch: int) -> Iterable[Batch]:
+            # Ray's own file shuffle (a new file order per epoch) + its local buffer.
+            files = ray.data.read_binary_files(
+                data.paths,
+                include_paths=True,
+                filesystem=filesystem,
+                shuffle=FileShuffleConfig(seed=epoch_seed(epoch, 1), reseed_after_execution=False),
+            )
+            return decode_stage(files, data.batch_size).iter_torch_batches(
+                batch_size=data.batch_size,
+                local_shuffle_buffer_size=data.shuffle_buffer,
+                local_shuffle_seed=epoch_seed(epoch, 10),
+            )
+
+        return EpochFn(ray_epoch)
+
+    def mapstyle(self, data: MapStyleData) -> Loader:
+        import ray
+
+        def ray_epoch(epoch: int) -> Iterable[Batch]:
+            ds = ray.data.range(data.n).random_shuffle(seed=epoch_seed(epoch, 1))
+            ds = ds.map_batches(
+                getitems_batch,  # type: ignore[arg-type]  # Ray's stub has no room for fn_kwargs
+                batch_size=data.batch_size,
+                batch_format="numpy",
+                fn_kwargs={"dataset": data.dataset},
+            )
+            return ds.iter_torch_batches(batch_size=data.batch_size)
+
+        return EpochFn(ray_epoch)
+
+
+class RayDL(Contender):
+    """``raydl``: ``RayDataLoader``."""
+
+    name = "raydl"
+    colour = "tab:blue"
+    uses_ray = True
+    #: The tabular workload's ``shuffle_mode``.
+    tabular_shuffle_mode: ClassVar[str] = "files"
+
+    def tabular(self, data: TabularData) -> Loader:
+        import raydl
+
+        # raydl's own reader, and the per-epoch draw as a PerEpoch pipeline: one loader for
+        # the whole run, so it can start each epoch while the previous one drains.
+        table, spam = raydl.read_parquet(data.files), data.spam
+        loader = raydl.RayDataLoader(
+            raydl.PerEpoch(lambda epoch: select_stage(table, epoch, spam)),
+            batch_size=data.batch_size,
+            shuffle=True,
+            shuffle_mode=self.tabular_shuffle_mode,
+            local_shuffle_buffer_size=SHUFFLE_BUFFER,
+            seed=SEED,
+        )
+        return TorchLoader(loader, before_epoch=loader.set_epoch)
+
+    def images(self, data: ImageData) -> Loader:
+        import raydl
+
+        # raydl's own file reader (many files per task), the same decode stage.
+        files = raydl.read_binary_files(
+            data.paths, include_paths=True, filesystem=data.arrow_filesystem()
+        )
+        loader = raydl.RayDataLoader(
+            decode_stage(files, data.batch_size),
+            batch_size=data.batch_size,
+            shuffle=True,
+            shuffle_mode="files",
+            local_shuffle_buffer_size=data.shuffle_buffer,
+            seed=SEED,
+        )
+        return TorchLoader(loader, before_epoch=loader.set_epoch)
+
+    def mapstyle(self, data: MapStyleData) -> Loader:
+        from raydl import RayDataLoader
+
+        return TorchLoader(RayDataLoader(data.dataset, **map_style_args(data.batch_size)))
+
+
+class RayDLGlobal(RayDL):
+    """``raydl_global``: ``RayDataLoader`` with a global shuffle (tabular only)."""
+
+    name = "raydl_global"
+    colour = "tab:cyan"
+    workloads = frozenset({"tabular"})
+    tabular_shuffle_mode = "global"
+
+
+REGISTRY: dict[str, Contender] = {
+    c.name: c for c in (Limit(), Torch(), PlainRay(), RayDL(), RayDLGlobal())
+}
+
+
+def contenders_for(workload: str) -> list[str]:
+    """The contenders that run ``workload``, in run order.
+
+    Args:
+        workload: The workload's name.
+
+    Returns:
+        The contenders' names.
+    """
+    return [name for name, contender in REGISTRY.items() if contender.runs(workload)]

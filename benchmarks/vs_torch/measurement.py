@@ -1,0 +1,246 @@
+"""What a worker measures, and how the rounds fold into the published metrics.
+
+In a worker: throughput per epoch, time to first batch (cold: process start to the first
+batch, Ray start included; warm: ``iter()`` to the first batch), the peak PSS of the
+process tree, the stall fraction under a simulated training step, and whether every
+expected sample id arrived exactly once in every epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import Batch, WorkerConfig
+from .contenders import REGISTRY
+from .workloads import WORKLOADS
+
+
+def tree_pss_bytes() -> int:
+    """PSS of this process and all its descendants (torch workers, raylet, GCS, Ray workers).
+
+    Returns:
+        The sum, in bytes.
+    """
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            total += proc.memory_full_info().pss
+    return total
+
+
+class PeakMemory:
+    """Samples ``tree_pss_bytes`` on a named background thread; ``stop()`` returns the peak.
+
+    Reading ``smaps_rollup`` of a dozen Ray processes costs real CPU, so the sampler
+    waits at least ``MAX_DUTY`` inverse times as long as a sample took: it stays under
+    ~2% of one core whatever the number of processes (more processes, sparser samples).
+    """
+
+    MAX_DUTY = 0.02
+
+    def __init__(self, interval_s: float) -> None:
+        """Start sampling.
+
+        Args:
+            interval_s: The shortest wait between two samples.
+        """
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-pss-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            self.peak = max(self.peak, tree_pss_bytes())
+            cost = time.perf_counter() - start
+            if self._stop.wait(max(self.interval_s, cost / self.MAX_DUTY)):
+                return
+
+    def stop(self) -> int:
+        """Stop sampling, take one last sample.
+
+        Returns:
+            The peak, in bytes.
+        """
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_pss_bytes())
+        return self.peak
+
+
+@dataclass
+class EpochStats:
+    """One epoch's measurements."""
+
+    epoch: int
+    samples: int
+    seconds: float
+    ttfb_s: float
+    slept_s: float = 0.0
+    exactly_once: bool = True
+
+    @property
+    def samples_per_s(self) -> float:
+        """Delivered samples per second of the epoch."""
+        return self.samples / self.seconds
+
+    @property
+    def stall_fraction(self) -> float:
+        """The share of the epoch spent outside the simulated training step."""
+        return (self.seconds - self.slept_s) / self.seconds
+
+
+def batch_ids(batch: Batch) -> torch.Tensor:
+    """The sample ids of a batch (a dict's ``id`` or a tuple's second element).
+
+    Args:
+        batch: What the loader yielded.
+
+    Returns:
+        The ids.
+    """
+    return batch["id"] if isinstance(batch, dict) else batch[1]
+
+
+def run_epoch(
+    batches: Iterable[Batch], epoch: int, step_s_per_sample: float = 0.0
+) -> tuple[EpochStats, np.ndarray]:
+    """Iterate one epoch (optionally sleeping per batch like a training step).
+
+    Args:
+        batches: The epoch's batches.
+        epoch: The epoch's number.
+        step_s_per_sample: The simulated training step's seconds per sample (0: none).
+
+    Returns:
+        The epoch's measurements and every sample id delivered, in order.
+    """
+    start = time.perf_counter()
+    ttfb = -1.0
+    ids: list[torch.Tensor] = []
+    slept = 0.0
+    for batch in batches:
+        if ttfb < 0:
+            ttfb = time.perf_counter() - start
+        b = batch_ids(batch)
+        ids.append(b)
+        if step_s_per_sample:
+            # The step's own time, measured: time.sleep overshoots (and, in a process
+            # with busy threads, waits to get the GIL back), and that is the step's
+            # time, not the loader's.
+            step_start = time.perf_counter()
+            time.sleep(len(b) * step_s_per_sample)
+            slept += time.perf_counter() - step_start
+    seconds = time.perf_counter() - start
+    got = torch.cat(ids).numpy() if ids else np.empty(0, dtype=np.int64)
+    return EpochStats(epoch, len(got), seconds, ttfb, slept), got
+
+
+def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
+    """One contender on one workload: warm-up epoch, timed epochs, stall epochs.
+
+    Args:
+        name: The contender (a ``REGISTRY`` key).
+        workload: The workload (a ``WORKLOADS`` key).
+        cfg: The worker's config.
+
+    Returns:
+        The raw measurements, as the worker prints them.
+    """
+    process_start = time.perf_counter()
+    memory = PeakMemory(cfg.mem_interval_s)
+    data = WORKLOADS[workload].load(cfg)
+    loader = REGISTRY[name].loader(data)
+    stats: list[EpochStats] = []
+    stalls: dict[str, float] = {}
+    ttfb_cold = -1.0
+    # Each demand runs two epochs and the second is measured: a training loop at that
+    # demand is slow in every epoch, while the first one follows a full-speed epoch.
+    steps: list[tuple[str, float]] = [("", 0.0)] * (1 + cfg.epochs) + [
+        step for step in cfg.stall_steps for _ in range(2)
+    ]
+    try:
+        for epoch, (stall_name, step) in enumerate(steps):
+            epoch_stats, got = run_epoch(loader.epoch(epoch), epoch, step)
+            if epoch == 0:
+                ttfb_cold = time.perf_counter() - process_start - epoch_stats.seconds
+                ttfb_cold += epoch_stats.ttfb_s
+            want = data.expected_ids(epoch)
+            epoch_stats.exactly_once = len(got) == len(want) and bool(
+                np.array_equal(np.sort(got), want)
+            )
+            if not epoch_stats.exactly_once:
+                print(
+                    f"{name}/{workload} epoch {epoch}: got {len(got)} ids "
+                    f"({len(np.unique(got))} distinct), expected {len(want)}",
+                    file=sys.stderr,
+                )
+            stats.append(epoch_stats)
+            if stall_name:
+                stalls[stall_name] = epoch_stats.stall_fraction
+    finally:
+        loader.close()
+    peak = memory.stop()
+    timed = stats[1 : 1 + cfg.epochs]
+    return {
+        "contender": name,
+        "workload": workload,
+        "epoch_samples_per_s": [s.samples_per_s for s in timed],
+        "epoch_ttfb_s": [s.ttfb_s for s in timed],
+        "ttfb_cold_s": ttfb_cold,
+        "peak_mem_mb": peak / 2**20,
+        "stall_fraction": stalls,
+        "exactly_once": all(s.exactly_once for s in stats),
+        "epochs": [asdict(s) for s in stats],
+    }
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fold the rounds of one workload x contender into the published metrics.
+
+    Args:
+        runs: The rounds' raw measurements (or ``{"error": ...}`` for a failed round).
+
+    Returns:
+        The medians (peak memory: the maximum) and whether every round was exactly once.
+    """
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {
+            "samples_per_s": None,
+            "ttfb_cold_s": None,
+            "ttfb_warm_s": None,
+            "peak_mem_mb": None,
+            "stall_fraction": None,
+            "exactly_once": False,
+            "error": "; ".join(r["error"] for r in runs),
+        }
+    stalls = [r["stall_fraction"] for r in ok if r["stall_fraction"]]
+    out: dict[str, Any] = {
+        "samples_per_s": statistics.median(x for r in ok for x in r["epoch_samples_per_s"]),
+        "ttfb_cold_s": statistics.median(r["ttfb_cold_s"] for r in ok),
+        "ttfb_warm_s": statistics.median(x for r in ok for x in r["epoch_ttfb_s"]),
+        "peak_mem_mb": max(r["peak_mem_mb"] for r in ok),
+        "stall_fraction": statistics.median(s["0.5x"] for s in stalls) if stalls else None,
+        "exactly_once": len(ok) == len(runs) and all(r["exactly_once"] for r in ok),
+    }
+    if any("1.0x" in s for s in stalls):
+        out["stall_fraction_1x"] = statistics.median(s["1.0x"] for s in stalls if "1.0x" in s)
+    if len(ok) < len(runs):
+        out["error"] = "; ".join(r["error"] for r in runs if "error" in r)
+    return out

@@ -1,0 +1,234 @@
+"""The run's outputs: ``results.json`` and ``runs.json``, the markdown table, ``results.png``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from .config import NUM_CPUS, SEED, Sizes
+from .contenders import REGISTRY
+
+#: workload -> contender -> the metrics ``measurement.summarise`` publishes.
+Results = dict[str, dict[str, dict[str, Any]]]
+
+
+def versions() -> dict[str, str]:
+    """The versions of Python and of the libraries measured or used.
+
+    Returns:
+        Library name -> version.
+    """
+    import fsspec
+    import PIL
+    import ray
+
+    import raydl
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "raydl": getattr(raydl, "__version__", "?"),
+        "pyarrow": pa.__version__,
+        "numpy": np.__version__,
+        "pillow": PIL.__version__,
+        "fsspec": fsspec.__version__,
+    }
+
+
+def machine() -> dict[str, Any]:
+    """The machine: platform, CPU model, logical CPUs, memory, load average now.
+
+    Returns:
+        The description.
+    """
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import psutil
+
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def raydl_revision() -> str:
+    """``git describe --always --dirty`` of the repository holding the benchmark.
+
+    Returns:
+        The revision, or ``unknown`` outside a git checkout.
+    """
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev
+
+
+def metadata(
+    *,
+    machine_info: dict[str, Any],
+    versions_info: dict[str, str],
+    mode: str,
+    command: str,
+    sizes: Sizes,
+    epochs: int,
+    mapstyle_reps: int,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """``results.json``'s ``meta``: how, where and with what the run was made.
+
+    Args:
+        machine_info: What ``machine()`` returned.
+        versions_info: What ``versions()`` returned.
+        mode: ``quick`` or ``full``, with the scale if not 1.
+        command: The command line.
+        sizes: The workloads' sizes.
+        epochs: Timed epochs per process.
+        mapstyle_reps: The calibrated rounds of ``mapstyle``'s ``__getitem__``.
+        elapsed_s: Seconds since the run started.
+
+    Returns:
+        The metadata (the date is now, in UTC).
+    """
+    return {
+        "machine": machine_info,
+        "versions": versions_info,
+        "raydl_revision": raydl_revision(),
+        "mode": mode,
+        "command_line": command,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "sizes": asdict(sizes),
+        "seed": SEED,
+        "cpu_budget": NUM_CPUS,
+        "epochs": {"warmup": 1, "timed": epochs, "rounds": 2},
+        "mapstyle_getitem_reps": mapstyle_reps,
+        "samples": "delivered samples (tabular: after the filter and the 10% downsample)",
+        "elapsed_s": round(elapsed_s, 1),
+    }
+
+
+def write_json(out: Path, meta: dict[str, Any], results: Results, runs: list[Any]) -> None:
+    """Write ``OUT/results.json`` (``meta`` and ``results``) and ``OUT/runs.json``.
+
+    Args:
+        out: The output folder.
+        meta: What ``metadata()`` returned.
+        results: The published metrics.
+        runs: Every subprocess's raw measurements.
+    """
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    (out / "runs.json").write_text(json.dumps(runs, indent=2))
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` to two decimals, or ``n/a`` if either is missing or zero.
+
+    Args:
+        a: The numerator.
+        b: The denominator.
+
+    Returns:
+        The formatted ratio.
+    """
+    return f"{a / b:.2f}" if a and b else "n/a"
+
+
+def markdown(results: Results) -> str:
+    """The results as two markdown tables: the metrics, then raydl's throughput ratios.
+
+    Args:
+        results: The published metrics.
+
+    Returns:
+        The tables.
+    """
+
+    def fmt(v: Any, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    lines = [
+        "| workload | contender | samples/s | ttfb cold s | ttfb warm s | peak MB | stall @0.5x | exactly once |",
+        "|---|---|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for workload, by_name in results.items():
+        for name, m in by_name.items():
+            lines.append(
+                f"| {workload} | {name} | {fmt(m['samples_per_s'], ',.0f')} | "
+                f"{fmt(m['ttfb_cold_s'], '.2f')} | {fmt(m['ttfb_warm_s'], '.3f')} | "
+                f"{fmt(m['peak_mem_mb'], ',.0f')} | {fmt(m['stall_fraction'], '.1%')} | "
+                f"{'yes' if m['exactly_once'] else 'NO'} |"
+            )
+    lines += ["", "| workload | raydl/torch | raydl/ray | raydl/limit | raydl_global/torch |"]
+    lines.append("|---|---:|---:|---:|---:|")
+    for workload, by_name in results.items():
+        rate = {name: m["samples_per_s"] for name, m in by_name.items()}
+        glob = ratio(rate.get("raydl_global"), rate.get("torch")) if "raydl_global" in rate else ""
+        lines.append(
+            f"| {workload} | {ratio(rate.get('raydl'), rate.get('torch'))} | "
+            f"{ratio(rate.get('raydl'), rate.get('ray'))} | "
+            f"{ratio(rate.get('raydl'), rate.get('limit'))} | {glob} |"
+        )
+    return "\n".join(lines)
+
+
+def chart(results: Results, path: Path, title: str) -> None:
+    """Draw one bar chart of samples/s per workload, labelled with the ratio vs torch.
+
+    Args:
+        results: The published metrics.
+        path: The PNG to write.
+        title: The figure's title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4.2), squeeze=False)
+    for ax, (workload, by_name) in zip(axes[0], results.items(), strict=True):
+        names = list(by_name)
+        rates = [by_name[n]["samples_per_s"] or 0.0 for n in names]
+        torch_rate = by_name.get("torch", {}).get("samples_per_s")
+        bars = ax.bar(names, rates, color=[REGISTRY[n].colour for n in names])
+        for bar, rate in zip(bars, rates, strict=True):
+            label = f"{rate / torch_rate:.2f}x" if torch_rate and rate else "n/a"
+            ax.annotate(
+                label,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_title(workload)
+        ax.set_ylabel("samples/s")
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.suptitle(f"{title} (labels: ratio vs torch)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,300 @@
+"""The ``tabular`` workload: parquet rows filtered, downsampled, shuffled and batched.
+
+The files hold ~20 float features, a label and a user id. The last-mile work drops the
+rows of spam users and keeps all positives and 10% of the negatives (a new draw each
+epoch); every contender then shuffles through a local buffer into batches of 1024.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..config import Sizes, WorkerConfig, epoch_seed
+
+N_FEATURES = 20
+FEATURES = [f"f{j:02d}" for j in range(N_FEATURES)]
+POSITIVE_RATE = 0.05
+NEGATIVE_KEEP = 0.10
+SPAM_USER_RATE = 0.02
+TABULAR_BATCH = 1024
+SHUFFLE_BUFFER = 8192
+FOLDER = "tabular"  # the parquet files, under the data folder
+SPAM_FILE = "spam_users.npy"  # per user id, whether the user is a spammer
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser, vectorised (uint64 arithmetic wraps)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keep_mask(
+    ids: np.ndarray, users: np.ndarray, labels: np.ndarray, epoch: int, spam: np.ndarray
+) -> np.ndarray:
+    """Rows to keep: not a spam user, and a positive or one of the epoch's 10% of negatives.
+
+    The negative draw is a counter-based RNG keyed by (row id, epoch seed), so it is the
+    same whichever process, file split or batch a row lands in, and new each epoch.
+
+    Args:
+        ids: The rows' ids.
+        users: The rows' user ids.
+        labels: The rows' labels (1: positive).
+        epoch: The epoch whose negative draw applies.
+        spam: Per user id, whether the user is a spammer.
+
+    Returns:
+        A boolean mask over the rows.
+    """
+    draw = _mix64(ids.astype(np.uint64) ^ np.uint64(epoch_seed(epoch, stream=7)))
+    sampled = (draw >> np.uint64(40)) < np.uint64(int(NEGATIVE_KEEP * (1 << 24)))
+    return ~spam[users] & ((labels == 1) | sampled)
+
+
+def select_rows(table: pa.Table, epoch: int, spam: np.ndarray) -> dict[str, np.ndarray]:
+    """The tabular last-mile work on one Arrow table: filter, downsample, stack features.
+
+    Args:
+        table: Rows of the generated parquet files.
+        epoch: The epoch whose negative draw applies.
+        spam: Per user id, whether the user is a spammer.
+
+    Returns:
+        The kept rows as ``id``, ``features`` (float32, one column per feature) and ``label``.
+    """
+    ids = table.column("id").to_numpy()
+    labels = table.column("label").to_numpy()
+    keep = np.flatnonzero(keep_mask(ids, table.column("user_id").to_numpy(), labels, epoch, spam))
+    features = np.empty((keep.size, N_FEATURES), dtype=np.float32)
+    for j, name in enumerate(FEATURES):
+        features[:, j] = table.column(name).to_numpy()[keep]
+    return {"id": ids[keep], "features": features, "label": labels[keep].astype(np.float32)}
+
+
+def select_block(table: Any, epoch: int, spam: np.ndarray) -> dict[str, np.ndarray]:
+    """``select_rows`` as a Ray Data ``map_batches`` function (pyarrow in, numpy out).
+
+    Args:
+        table: One Ray Data block (a pyarrow table).
+        epoch: The epoch whose negative draw applies.
+        spam: Per user id, whether the user is a spammer.
+
+    Returns:
+        What ``select_rows`` returns.
+    """
+    return select_rows(table, epoch, spam)
+
+
+def select_stage(ds: Any, epoch: int, spam: np.ndarray) -> Any:
+    """The tabular last-mile work as a Ray Data stage on ``ds``.
+
+    Args:
+        ds: A Ray Data (or raydl) dataset of the parquet rows.
+        epoch: The epoch whose negative draw applies.
+        spam: Per user id, whether the user is a spammer.
+
+    Returns:
+        The dataset with the stage added.
+    """
+    return ds.map_batches(
+        select_block,  # type: ignore[arg-type]  # Ray's stub has no room for fn_kwargs
+        batch_format="pyarrow",
+        fn_kwargs={"epoch": epoch, "spam": spam},
+    )
+
+
+class ShuffleBuffer:
+    """A local shuffle buffer over column dicts: holds ``size`` rows, emits random batches."""
+
+    def __init__(self, size: int, batch_size: int, rng: np.random.Generator) -> None:
+        """Start empty.
+
+        Args:
+            size: Rows the buffer keeps back while it is fed.
+            batch_size: Rows per emitted batch.
+            rng: Draws the permutations.
+        """
+        self.size = size
+        self.batch_size = batch_size
+        self.rng = rng
+        self._chunks: list[dict[str, np.ndarray]] = []
+        self._rows = 0
+
+    def push(self, chunk: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        """Add ``chunk``; yields full batches once over ``size`` rows are held.
+
+        Args:
+            chunk: Columns of equal length, with an ``id`` column.
+
+        Yields:
+            Shuffled batches of ``batch_size`` rows.
+        """
+        self._chunks.append(chunk)
+        self._rows += len(chunk["id"])
+        if self._rows >= self.size + self.batch_size:
+            yield from self._emit(keep=self.size)
+
+    def drain(self) -> Iterator[dict[str, np.ndarray]]:
+        """Yield every held row, shuffled (the last batch may be short).
+
+        Yields:
+            Shuffled batches.
+        """
+        yield from self._emit(keep=0)
+
+    def _emit(self, keep: int) -> Iterator[dict[str, np.ndarray]]:
+        if not self._chunks:
+            return
+        perm = self.rng.permutation(self._rows)
+        pool = {k: np.concatenate([c[k] for c in self._chunks])[perm] for k in self._chunks[0]}
+        stop = self._rows - keep
+        if keep:
+            stop -= stop % self.batch_size
+        for start in range(0, stop, self.batch_size):
+            end = min(start + self.batch_size, stop)
+            yield {k: v[start:end] for k, v in pool.items()}
+        self._chunks = [{k: v[stop:] for k, v in pool.items()}] if stop < self._rows else []
+        self._rows -= stop
+
+
+def to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The batch's columns as tensors sharing their memory.
+
+    Args:
+        batch: Numpy columns.
+
+    Returns:
+        The same columns as tensors.
+    """
+    return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+
+class ParquetStream(IterableDataset):
+    """The idiomatic torch tabular loader: files sharded over workers, vectorised filtering.
+
+    Each worker reads its share of the epoch's shuffled file order with pyarrow, filters
+    whole record batches with numpy and shuffles through a local buffer. The epoch lives
+    in shared memory so persistent workers see ``set_epoch``.
+    """
+
+    def __init__(self, files: Sequence[str], spam: np.ndarray) -> None:
+        """Hold the files; the epoch starts at 0.
+
+        Args:
+            files: The parquet files.
+            spam: Per user id, whether the user is a spammer.
+        """
+        self.files = list(files)
+        self.spam = spam
+        self._epoch = multiprocessing.Value("q", 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` (in every worker) run ``epoch``.
+
+        Args:
+            epoch: The epoch.
+        """
+        self._epoch.value = epoch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This worker's batches of the current epoch.
+
+        Yields:
+            Batches of ``TABULAR_BATCH`` rows (the last of each worker may be short).
+        """
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch = int(self._epoch.value)
+        order = np.random.default_rng(epoch_seed(epoch, 1)).permutation(len(self.files))
+        buffer = ShuffleBuffer(
+            SHUFFLE_BUFFER, TABULAR_BATCH, np.random.default_rng(epoch_seed(epoch, 10 + worker))
+        )
+        for index in order[worker::workers]:
+            for record_batch in pq.ParquetFile(self.files[index]).iter_batches(batch_size=65_536):
+                rows = select_rows(pa.Table.from_batches([record_batch]), epoch, self.spam)
+                for batch in buffer.push(rows):
+                    yield to_torch(batch)
+        for batch in buffer.drain():
+            yield to_torch(batch)
+
+
+@dataclass(frozen=True)
+class TabularData:
+    """The generated tabular workload, as a worker finds it."""
+
+    files: list[str]
+    spam: np.ndarray
+    batch_size: int
+
+    @classmethod
+    def load(cls, workload: str, cfg: WorkerConfig, batch_size: int) -> TabularData:
+        """The files and the spam users under ``cfg.data_dir``.
+
+        Args:
+            workload: ``tabular``.
+            cfg: The worker's config.
+            batch_size: Rows per batch.
+
+        Returns:
+            The workload.
+        """
+        root = Path(cfg.data_dir)
+        files = sorted(str(p) for p in (root / FOLDER).glob("*.parquet"))
+        return cls(files, np.load(root / SPAM_FILE), batch_size)
+
+    def expected_ids(self, epoch: int) -> np.ndarray:
+        """Every row id the filter and the epoch's draw keep, sorted.
+
+        Args:
+            epoch: The epoch.
+
+        Returns:
+            The ids.
+        """
+        kept = []
+        for path in self.files:
+            table = pq.read_table(path, columns=["id", "user_id", "label"])
+            ids = table.column("id").to_numpy()
+            users, labels = table.column("user_id").to_numpy(), table.column("label").to_numpy()
+            kept.append(ids[keep_mask(ids, users, labels, epoch, self.spam)])
+        return np.sort(np.concatenate(kept))
+
+
+def generate(out: Path, spam_path: Path, sizes: Sizes, rng: np.random.Generator) -> None:
+    """Write the spam users to ``spam_path`` and the parquet files into ``out``.
+
+    Args:
+        out: An empty folder for the parquet files.
+        spam_path: Where to save the spam users (``.npy``).
+        sizes: How many rows, files, row groups and users.
+        rng: The generation's random stream (shared with the other workloads, in order).
+    """
+    spam = np.zeros(sizes.users, dtype=bool)
+    spam[rng.choice(sizes.users, int(sizes.users * SPAM_USER_RATE), replace=False)] = True
+    np.save(spam_path, spam)
+    per_file = sizes.tabular_rows // sizes.tabular_files
+    for i in range(sizes.tabular_files):
+        ids = np.arange(i * per_file, (i + 1) * per_file, dtype=np.int64)
+        columns = {
+            "id": ids,
+            "user_id": rng.integers(0, sizes.users, per_file, dtype=np.int64),
+            "label": (rng.random(per_file) < POSITIVE_RATE).astype(np.int64),
+            **{name: rng.standard_normal(per_file, dtype=np.float32) for name in FEATURES},
+        }
+        pq.write_table(
+            pa.table(columns),
+            out / f"part-{i:04d}.parquet",
+            row_group_size=per_file // sizes.row_groups_per_file,
+        )
