@@ -1,0 +1,424 @@
+"""The epoch engine's thread logic without Ray: hand-off, epoch iterator, device copy, dispatch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from raydl._internal.epochs.overlap import NextEpoch
+from raydl._internal.epochs.record import EpochRecord, EpochStart
+from raydl._internal.stream.device import DeviceCopy
+from raydl._internal.stream.dispatch import Dispatcher, ResultTimeout, WorkerLost
+from raydl._internal.stream.epoch_iterator import EpochIterator, Producer
+from raydl._internal.stream.handoff import Handoff, Stopped
+from raydl.errors import LoaderTimeoutError, WorkerDiedError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class ListProducer(Producer):
+    """Hands over ``items`` from a thread, ``delay_s`` apart; counts ``taken()`` calls."""
+
+    def __init__(
+        self, items: Iterable[Any], *, delay_s: float = 0.0, fail: Exception | None = None
+    ):
+        self.items = list(items)
+        self.taken_calls = 0
+        self.closed_with: bool | None = None
+        self.handoff = Handoff(maxsize=2)
+
+        def body() -> None:
+            for item in self.items:
+                if delay_s:
+                    time.sleep(delay_s)
+                self.handoff.put(item)
+            if fail is not None:
+                raise fail
+
+        self.handoff.start(body, name="raydl-test-producer")
+
+    def taken(self) -> None:
+        self.taken_calls += 1
+
+    def close(self, *, stalled: bool = False) -> None:
+        self.closed_with = stalled
+        super().close(stalled=stalled)
+
+
+# -- the hand-off -------------------------------------------------------------------
+
+
+def test_handoff_carries_items_then_the_end() -> None:
+    h = Handoff(maxsize=1)
+    h.start(lambda: [h.put(i) for i in range(5)], name="raydl-test")
+    assert [h.take(0) for _ in range(5)] == list(range(5))
+    with pytest.raises(StopIteration):
+        h.take(0)
+    with pytest.raises(StopIteration):  # and again: the end is remembered
+        h.take(0)
+
+
+def test_handoff_reraises_the_producers_exception_described() -> None:
+    def body() -> None:
+        raise KeyError("inner")
+
+    h = Handoff()
+    h.start(body, name="raydl-test", describe_error=lambda err: ValueError(f"outer {err}"))
+    with pytest.raises(ValueError, match="outer 'inner'"):
+        h.take(0)
+
+
+def test_handoff_times_out_with_torchs_message() -> None:
+    h = Handoff()
+    h.start(lambda: time.sleep(2), name="raydl-test")
+    with pytest.raises(LoaderTimeoutError, match=r"DataLoader timed out after 0.2 seconds"):
+        h.take(0.2)
+    h.stop(join_s=0)
+
+
+def test_handoff_names_a_thread_that_died_without_a_word() -> None:
+    broken = Handoff()
+    thread = threading.Thread(target=lambda: None, name="raydl-broken")
+    broken._thread = thread
+    thread.start()
+    thread.join()
+    with pytest.raises(RuntimeError, match="raydl-broken thread ended without a result"):
+        broken.take(0)
+
+
+def test_a_stopped_handoff_unblocks_its_producer_and_its_consumer() -> None:
+    h = Handoff(maxsize=1)
+    unwound = threading.Event()
+
+    def body() -> None:
+        try:
+            while True:
+                h.put("x")
+        except Stopped:
+            unwound.set()
+            raise
+
+    h.start(body, name="raydl-test")
+    assert h.take(0) == "x"
+    h.stop()
+    assert unwound.is_set()
+    assert h.thread is not None and not h.thread.is_alive()
+
+
+# -- the epoch iterator -------------------------------------------------------------
+
+
+def test_epoch_iterator_counts_from_a_resumed_offset_and_calls_taken() -> None:
+    producer = ListProducer(range(3))
+    iterator = EpochIterator(producer, epoch=4, skip=7, length=10)
+    assert list(iterator) == [0, 1, 2]
+    assert iterator.num_yielded == 10
+    assert iterator.exhausted
+    assert producer.taken_calls == 3
+    assert iterator.stats.batches == 3
+    assert producer.closed_with is False
+
+
+def test_an_exception_closes_the_epoch_and_is_raised() -> None:
+    producer = ListProducer([1], fail=OSError("disk"))
+    iterator = EpochIterator(producer, epoch=0)
+    assert next(iterator) == 1
+    with pytest.raises(OSError, match="disk"):
+        next(iterator)
+    assert producer.closed_with is False
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_a_timeout_closes_the_producer_as_stalled() -> None:
+    producer = ListProducer([1], delay_s=2.0)
+    iterator = EpochIterator(producer, epoch=0, timeout=0.2)
+    with pytest.raises(LoaderTimeoutError):
+        next(iterator)
+    assert producer.closed_with is True
+
+
+def test_exhaustion_runs_on_exhausted_once_after_the_summary() -> None:
+    calls: list[int] = []
+    iterator = EpochIterator(ListProducer([1, 2]), epoch=0, on_exhausted=lambda: calls.append(1))
+    assert list(iterator) == [1, 2]
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert calls == [1]
+
+
+# -- the device copy stage (its copy step injected) ------------------------------------
+
+
+class FakeCopier:
+    """Records which thread did what; the 'device' batch is the host batch tagged."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.copy_threads: set[str] = set()
+        self.ready_threads: set[str] = set()
+        self.started = 0
+
+    def start(self) -> None:
+        self.started += 1
+
+    def copy(self, batch: Any) -> Any:
+        self.copy_threads.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        return ("on-device", batch)
+
+    def ready(self, token: Any) -> Any:
+        self.ready_threads.add(threading.current_thread().name)
+        return token[1]
+
+
+class ThreadRecordingBar:
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.count = 0
+
+    def update(self, n: int) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.count += n
+
+    def close(self) -> None:
+        pass
+
+
+def test_device_copy_counts_from_the_resumed_offset() -> None:
+    """A state taken after a resume counts the batches before it (issue 14's device bug 1)."""
+    source = ListProducer(range(4))
+    copier = FakeCopier()
+    iterator = EpochIterator(
+        DeviceCopy(source, copier, depth=2, name="raydl-test-copy"), epoch=0, skip=5
+    )
+    assert next(iterator) == 0
+    assert iterator.num_yielded == 6  # 5 consumed before the resume, 1 now
+    assert list(iterator) == [1, 2, 3]
+    assert iterator.num_yielded == 9
+    assert copier.started == 1
+    assert copier.copy_threads == {"raydl-test-copy"}
+    assert copier.ready_threads == {threading.current_thread().name}
+
+
+def test_device_copy_wait_and_progress_are_the_trainers() -> None:
+    """The trainer's wait is timed in its own next(), not in the copy thread (device bug 2)."""
+    copier = FakeCopier(delay_s=0.1)
+    iterator = EpochIterator(
+        DeviceCopy(ListProducer(range(3)), copier, depth=1, name="raydl-test-copy"), epoch=0
+    )
+    bar = iterator.progress = ThreadRecordingBar()
+    assert list(iterator) == [0, 1, 2]
+    assert bar.count == 3 and bar.threads == {threading.current_thread().name}
+    # Each batch took the copy's 0.1 s to arrive, and the trainer waited for it.
+    assert iterator.stats.wait_s >= 0.25
+
+
+def test_device_copy_passes_taken_through_and_closes_its_source() -> None:
+    source = ListProducer(range(10))
+    iterator = EpochIterator(DeviceCopy(source, FakeCopier(), depth=2, name="t"), epoch=0)
+    next(iterator)
+    next(iterator)
+    assert source.taken_calls == 2  # a map-style sampler is drawn on the trainer's thread
+    iterator.close()
+    assert source.closed_with is False
+    assert source.handoff.stopped
+
+
+# -- dispatch over fake calls -----------------------------------------------------------
+
+
+class FakeRef:
+    def __init__(self, actor: FakeActor, arg: Any) -> None:
+        self.actor, self.arg = actor, arg
+        self.ready_at = time.monotonic() + actor.delays.get(arg, 0.0)
+
+
+class FakeActor:
+    def __init__(self, name: str, delays: dict[Any, float], dies_on: set[Any]) -> None:
+        self.name, self.delays, self.dies_on = name, delays, dies_on
+        self.dead = False
+        self.calls: list[Any] = []
+
+
+class FakeCalls:
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, Any]] = []
+
+    def submit(self, actor: FakeActor, method: str, *args: Any) -> FakeRef:
+        self.submitted.append((actor.name, args[0]))
+        actor.calls.append(args[0])
+        return FakeRef(actor, args[0])
+
+    def get(self, ref: FakeRef, timeout: float) -> Any:
+        if ref.arg in ref.actor.dies_on or ref.actor.dead:
+            ref.actor.dead = True
+            raise WorkerLost("RayActorError")
+        wait = ref.ready_at - time.monotonic()
+        if wait > timeout:
+            time.sleep(timeout)
+            raise ResultTimeout
+        time.sleep(max(0.0, wait))
+        if isinstance(ref.arg, str) and ref.arg.startswith("raise"):
+            raise ValueError(ref.arg)
+        return f"{ref.arg}@{ref.actor.name}"
+
+    def wait(self, refs: Sequence[FakeRef], timeout: float) -> list[FakeRef]:
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = [r for r in refs if r.ready_at <= time.monotonic() or r.actor.dead]
+            if ready or time.monotonic() >= deadline:
+                return sorted(ready, key=lambda r: r.ready_at)[:1]
+            time.sleep(0.005)
+
+
+class FakePool:
+    def __init__(self, n: int, delays: dict[Any, float] | None = None, dies_on: Any = ()):
+        self.delays = delays or {}
+        self.dies_on = set(dies_on)
+        self.restarts = 0
+        self.actors = [FakeActor(f"w{i}", self.delays, self.dies_on) for i in range(n)]
+
+    def restart(self, worker_id: int, dead: Any) -> Any:
+        self.restarts += 1
+        self.dies_on.clear()  # the fresh worker loads what killed the old one
+        self.actors[worker_id] = FakeActor(f"w{worker_id}'", self.delays, self.dies_on)
+        return self.actors[worker_id]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+
+def _dispatcher(pool: FakePool, calls: FakeCalls, between: Any = None) -> Dispatcher:
+    return Dispatcher(
+        pool,
+        calls,
+        method="fetch",
+        describe=lambda a: f"request {a!r}",
+        between=between or (lambda: None),
+    )
+
+
+def test_round_robin_and_replies_in_request_order_despite_a_slow_worker() -> None:
+    pool, calls = FakePool(2, delays={0: 0.2}), FakeCalls()
+    d = _dispatcher(pool, calls)
+    for arg in range(4):
+        d.send(arg)
+    assert [name for name, _ in calls.submitted] == ["w0", "w1", "w0", "w1"]
+    assert [d.collect() for _ in range(4)] == ["0@w0", "1@w1", "2@w0", "3@w1"]
+    assert not d
+
+
+def test_out_of_order_completion_is_taken_first_ready_when_asked() -> None:
+    pool, calls = FakePool(2, delays={0: 0.3}), FakeCalls()
+    d = _dispatcher(pool, calls)
+    d.send(0)
+    d.send(1)
+    assert d.collect(in_order=False) == "1@w1"
+    assert d.collect(in_order=False) == "0@w0"
+
+
+def test_a_dead_worker_is_replaced_and_its_request_retried_alone_first() -> None:
+    pool, calls = FakePool(2, dies_on={2}), FakeCalls()
+    d = _dispatcher(pool, calls)
+    for arg in range(6):
+        d.send(arg)
+    replies = [d.collect() for _ in range(6)]
+    assert replies == ["0@w0", "1@w1", "2@w0'", "3@w1", "4@w0'", "5@w1"]
+    assert pool.restarts == 1
+    # The retry went out before the dead worker's held request 4 was sent again.
+    resent = [arg for name, arg in calls.submitted if name == "w0'"]
+    assert resent == [2, 4]
+
+
+def test_a_request_that_kills_every_worker_is_named_after_the_retries() -> None:
+    pool, calls = FakePool(1, dies_on={0}), FakeCalls()
+
+    def restart_dying(worker_id: int, dead: Any) -> Any:
+        pool.restarts += 1
+        pool.actors[worker_id] = FakeActor(f"w{pool.restarts}", pool.delays, pool.dies_on)
+        return pool.actors[worker_id]
+
+    pool.restart = restart_dying  # type: ignore[method-assign]
+    d = _dispatcher(pool, calls)
+    d.send(0)
+    with pytest.raises(WorkerDiedError, match=r"died while loading request 0 \(retried 2 times"):
+        d.collect()
+    assert pool.restarts == 2
+
+
+def test_a_tasks_own_exception_is_raised_as_is() -> None:
+    d = _dispatcher(FakePool(1), FakeCalls())
+    d.send("raise me")
+    with pytest.raises(ValueError, match="raise me"):
+        d.collect()
+
+
+def test_close_during_a_pending_request_stops_the_wait() -> None:
+    stop = threading.Event()
+
+    def between() -> None:
+        if stop.is_set():
+            raise Stopped
+
+    d = _dispatcher(FakePool(1, delays={0: 10.0}), FakeCalls(), between)
+    d.send(0)
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        d.collect()
+    assert time.monotonic() - started < 5
+
+
+def test_sending_to_a_stopped_pool_says_so() -> None:
+    pool = FakePool(1)
+    pool.actors = []
+    with pytest.raises(RuntimeError, match=r"loader.close\(\)"):
+        _dispatcher(pool, FakeCalls()).send(0)
+
+
+# -- the early epoch ------------------------------------------------------------------------
+
+
+def _started(epoch: int) -> tuple[EpochStart, ListProducer]:
+    producer = ListProducer([epoch])
+    return EpochStart(producer, EpochRecord(epoch=epoch)), producer
+
+
+def test_next_epoch_hands_over_the_epoch_it_started() -> None:
+    early = NextEpoch()
+    started, _ = _started(3)
+    assert early.start(3, lambda: started)
+    assert not early.start(4, lambda: _started(4)[0])  # one at a time
+    assert early.epoch == 3
+    assert early.take(3) is started
+    assert early.epoch is None
+
+
+def test_next_epoch_closes_an_epoch_that_is_not_asked_for() -> None:
+    early = NextEpoch()
+    started, producer = _started(3)
+    early.start(3, lambda: started)
+    assert early.take(5) is None
+    assert producer.closed_with is False
+
+
+def test_a_failed_early_build_is_nothing_to_take() -> None:
+    early = NextEpoch()
+
+    def fails() -> EpochStart:
+        raise OSError("listing failed")
+
+    early.start(1, fails)
+    assert early.take(1) is None
+
+
+def test_tensors_pass_through_unchanged() -> None:
+    batch = {"x": torch.arange(3)}
+    iterator = EpochIterator(ListProducer([batch]), epoch=0)
+    assert next(iterator) is batch
