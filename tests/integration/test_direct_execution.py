@@ -130,7 +130,7 @@ def test_an_epoch_resumed_at_another_world_size_is_rebuilt_the_same_way(folder: 
     head = [i for _ in range(4) for i in next(it)["id"].tolist()]
     state = LoaderState.from_dict(json.loads(json.dumps(loader.state_dict())))
     rest = [i for batch in it for i in batch["id"].tolist()]
-    plan = loader._source._plan(state.epoch)
+    plan = loader._source._epoch_plan(state.epoch)
     shares = ray_shares(
         plan.dataset, state, 2, batch_size=8, drop_last=False,
         buffer=plan.local_shuffle_buffer_size, buffer_seed=plan.local_shuffle_seed, direct=True,

@@ -128,7 +128,7 @@ def test_files_shuffle_mode_reorders_the_files_each_epoch(tmp_path: Path) -> Non
         )  # fmt: skip
 
     def file_order(loader: RayDataLoader, epoch: int) -> list[int]:
-        plan = loader._source._plan(epoch)  # the epoch's plan, read without the local buffer
+        plan = loader._source._epoch_plan(epoch)  # the epoch's plan, read without the local buffer
         assert not plan.all_to_all  # streams: no barrier before the first batch
         ids = [int(i) for b in plan.dataset.iter_batches(batch_size=None) for i in b["id"]]
         assert sorted(ids) == list(range(60))

@@ -341,7 +341,7 @@ def test_binary_files_are_read_many_per_task_and_shuffled_per_file(
         ds, batch_size=64, shuffle=True, shuffle_mode="files", seed=1, collate_fn=lambda b: b
     )
     order = [
-        int(Path(p).stem) for b in loader._source._plan(0).dataset.iter_batches(batch_size=None)
+        int(Path(p).stem) for b in loader._source._epoch_plan(0).dataset.iter_batches(batch_size=None)
         for p in b["path"]
     ]  # fmt: skip
     assert sorted(order) == list(range(count))
@@ -395,7 +395,7 @@ def test_parquet_files_are_read_several_per_task_and_shuffled_per_file(tmp_path:
     assert nulls == [i % 2 == 0 for i in range(count) for _ in range(10)]
 
     loader = raydl.RayDataLoader(ds, batch_size=10, shuffle=True, shuffle_mode="files", seed=1)
-    plan = loader._source._plan(0).dataset
+    plan = loader._source._epoch_plan(0).dataset
     order = [int(i) // 10 for b in plan.iter_batches(batch_size=None) for i in b["id"][::10]]
     assert sorted(order) == list(range(count))
     first_task = order[: count // len(tasks)]

@@ -174,7 +174,7 @@ class RaySource:
 
     # -- one rank -----------------------------------------------------------------------
 
-    def _plan(self, epoch: int) -> EpochPlan:
+    def _epoch_plan(self, epoch: int) -> EpochPlan:
         settings, options = self._settings, self._settings.options
         return plan_epoch(
             self.dataset(epoch),
@@ -194,7 +194,7 @@ class RaySource:
         ``None``: as the ``direct_execution`` option says.
         """
         options = self._settings.options
-        plan = self._plan(epoch)
+        plan = self._epoch_plan(epoch)
         start_next = None
         if options.overlap_epochs:
             # A weak reference: a producer thread must not keep a dropped loader's
@@ -370,7 +370,7 @@ class RaySource:
     def _rank0_plan(self, epoch: int, elastic: LoaderState | None) -> RankPlan:
         """Rank 0's plan of the epoch for every rank (see :class:`RankPlan`)."""
         world, settings = self._world, self._settings
-        plan = self._plan(epoch)
+        plan = self._epoch_plan(epoch)
         if elastic is None:
             splits = plan.dataset.streaming_split(world.world_size, equal=True)
             return RankPlan(
