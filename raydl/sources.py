@@ -3,15 +3,19 @@
 Each reader resolves ``paths`` (``s3://``, ``gs://``, ``file://``, plain local
 paths, or any fsspec protocol) with ``storage_options`` into an fsspec
 filesystem, bridges it to pyarrow with retries and an optional local disk cache
-(:mod:`raydl._internal.io.fs`), and hands it to Ray Data's own reader. The result is
-a ``ray.data.Dataset`` plan: nothing is read until it is iterated (for example by
-:class:`raydl.RayDataLoader`), and ``map_batches``/``filter`` work as usual.
+(:mod:`raydl._internal.io.fs`), lists the files, and builds the read: with raydl's
+own sources, several files per read task (:mod:`raydl._internal.io.files`,
+:mod:`raydl._internal.io.parquet`), where the options allow, else with Ray
+Data's reader. The result is a ``ray.data.Dataset`` plan: nothing is read until it
+is iterated (for example by :class:`raydl.RayDataLoader`), and
+``map_batches``/``filter`` work as usual. This module holds the public readers and
+their argument checks; the work is in ``raydl._internal.io``.
 
 Listing: a prefix is listed when the plan is built, on the driver. Its
 immediate sub-prefixes (e.g. ``train/<label>/``) are listed in parallel threads,
 each recursively, so a bucket with many labels does not page through one
 listing serially; the file list and its (sorted) order are the same as a
-serial listing's. Many paths given at once are expanded in parallel Ray tasks.
+serial listing's. Many paths given at once are expanded in parallel threads.
 
 Bad files: with the default ``on_bad_file="raise"``, a file that cannot be read
 or decoded (corrupt or truncated parquet, a non-image among images, an empty
@@ -26,11 +30,9 @@ files in one process and is therefore not suitable.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
@@ -39,7 +41,7 @@ from fsspec.utils import get_protocol
 
 from raydl._internal.io.cache import CacheConfig, CacheStats, DiskCache, as_cache_config
 from raydl._internal.io.fs import (
-    LISTING_THREADS,
+    LISTING_OPTIONS,
     RemoteHandler,
     RetryPolicy,
     describe_endpoint,
@@ -50,10 +52,7 @@ from raydl._internal.runtime import cluster
 from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
-    import pyarrow as pa
     import ray.data
-
-    from raydl._internal.io.parquet import Footer
 
 __all__ = [
     "CacheConfig",
@@ -235,9 +234,7 @@ def read_parquet(
         ... )
         >>> loader = raydl.RayDataLoader(ds, batch_size=256, shuffle=True)  # doctest: +SKIP
     """
-    import ray.data
-
-    from raydl._internal.io import skips
+    from raydl._internal.io import parquet, skips
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
@@ -254,217 +251,15 @@ def read_parquet(
         partition_filter=ray_options.get("partition_filter"),
         exclude=frozenset(os.fspath(p) for p in user_skips),
     )
-    left_out = {os.fspath(p) for p in user_skips + _bad_parquet_files(policy, fs, files)}
-    targets = [path for path, _ in files if path not in left_out]
-    options = {k: v for k, v in ray_options.items() if k not in _LISTING_OPTIONS}
-    if targets and set(options) <= _PARQUET_RUN_OPTIONS:
-        # raydl's own reader: several files per task, cut after the epoch's file order.
-        from raydl._internal.io.parquet import ParquetFilesDatasource, read_tasks_for
-
-        footers = parquet_footers(_footer_filesystem(fs), targets)
-        schema = options.pop("schema", None) or unify_parquet_schemas(
-            targets, [footer.schema for footer in footers]
-        )
-        source = ParquetFilesDatasource(
-            targets,
-            footers,
-            fs,
-            schema=schema,
-            columns=list(columns) if columns is not None else None,
-            include_paths=include_paths,
-        )
-        options.setdefault("override_num_blocks", read_tasks_for(footers, _cluster_cpus()))
-        return ray.data.read_datasource(source, **options)
-    options.setdefault("override_num_blocks", max(len(targets), _cluster_cpus()))
-    if options.get("schema") is None and len(targets) > 1:
-        options["schema"] = unified_parquet_schema(_footer_filesystem(fs), targets)
-    try:
-        with _parquet_reader_v1():
-            return ray.data.read_parquet(
-                targets,
-                filesystem=fs,
-                columns=list(columns) if columns is not None else None,
-                include_paths=include_paths,
-                **options,
-            )
-    except (FileNotFoundError, PermissionError, RemoteReadError):
-        raise
-    except (ValueError, OSError) as err:
-        # Ray reads a sample of footers here, and its error may not name the file: find it.
-        bad = skips.find_bad_parquet_files(_footer_filesystem(fs), files, first_only=True)
-        if not bad:
-            raise
-        path, reason = bad[0]
-        raise _unreadable_parquet(path, reason) from err
-
-
-def _unreadable_parquet(path: str, reason: str) -> ValueError:
-    """The error for a parquet file whose footer cannot be read."""
-    return ValueError(
-        f"parquet file {path!r} cannot be read: {reason}. Replace or delete it, or pass "
-        "on_bad_file='skip' to read the other files without it"
+    return parquet.read_dataset(
+        fs,
+        files,
+        on_bad_file=policy,
+        columns=columns,
+        include_paths=include_paths,
+        options={k: v for k, v in ray_options.items() if k not in LISTING_OPTIONS},
+        cpus=cluster.cpus(),
     )
-
-
-# Options raydl's own listing (above) applies before Ray sees the file list.
-_LISTING_OPTIONS = frozenset({"file_extensions", "ignore_missing_paths", "partition_filter"})
-# What ray.data.read_datasource takes besides the source (resources, concurrency, blocks).
-_READ_DATASOURCE_OPTIONS = frozenset(
-    {"override_num_blocks", "concurrency", "num_cpus", "memory", "ray_remote_args"}
-)
-# What raydl's parquet reader takes; other options (filter, partitioning, Ray's own
-# shuffle, ...) go to Ray's V1 parquet reader.
-_PARQUET_RUN_OPTIONS = _READ_DATASOURCE_OPTIONS | {"schema"}
-# What raydl's file-list reader takes: its listing's and read_datasource's. Other
-# options (partitioning, Ray's own shuffle, ...) go to Ray's reader.
-_FILE_LIST_OPTIONS = _LISTING_OPTIONS | _READ_DATASOURCE_OPTIONS
-
-
-@contextlib.contextmanager
-def _parquet_reader_v1() -> Iterator[None]:
-    """Build the read with Ray's first parquet reader (the ``DataContext`` is restored after).
-
-    Ray 2.60's default (V2) parquet reader lists the files and reads every footer
-    again at each execution, on 32 freshly started ``FooterReader`` actors, and
-    packs up to 128 MiB into one read task: each epoch waits ~2-5 s before its
-    first row and a small table is read by a single task. The V1 reader reads
-    the metadata once, here, and makes ``override_num_blocks`` read tasks, so an
-    epoch starts in ~0.1-0.3 s. Measured on a 2-core machine: an epoch of 1M rows
-    in 16 files (filter + downsampling + global shuffle) took 1.7-2.1 s this way,
-    8-9 s with the V2 reader, and 24-29 s with V1's default of 200 read tasks
-    (a shuffle's cost grows with the square of the block count, hence one read
-    task per file, at least one per CPU, unless ``override_num_blocks`` is given).
-    """
-    import ray.data
-
-    context = ray.data.DataContext.get_current()
-    saved = context.use_datasource_v2
-    context.use_datasource_v2 = False
-    try:
-        yield
-    finally:
-        context.use_datasource_v2 = saved
-
-
-def _cluster_cpus() -> int:
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
-
-
-def _bad_parquet_files(
-    policy: str, fs: pafs.FileSystem, files: list[tuple[str, int | None]]
-) -> list[str]:
-    """The files to leave out under ``policy``; with ``"raise"``, an error for an empty file.
-
-    With ``"skip"`` every footer is read (in parallel threads); the bad files are
-    warned about and recorded in the skip ledger.
-    """
-    from raydl._internal.io import skips
-
-    if policy == "raise":
-        empty = [path for path, size in files if size == 0]
-        if empty:
-            raise ValueError(
-                f"parquet file {empty[0]!r} is empty (0 bytes){_and_more(empty)}; delete it, "
-                "or pass on_bad_file='skip' to read the other files without it"
-            )
-        return []
-    skips.ledger()  # owned by this driver, so it lives as long as the job
-    bad = skips.find_bad_parquet_files(_footer_filesystem(fs), files)
-    for path, reason in bad:
-        skips.record_skip(path, reason)
-    if bad and len(bad) == len(files):
-        raise ValueError(
-            f"on_bad_file='skip' left no parquet file to read: all {len(files)} are bad, "
-            f"e.g. {bad[0][0]!r}: {bad[0][1]}"
-        )
-    return [path for path, _ in bad]
-
-
-def unified_parquet_schema(fs: pafs.FileSystem, paths: Sequence[str]) -> pa.Schema:
-    """One schema for parquet files whose schemas drift (footers read in parallel threads).
-
-    See :func:`unify_parquet_schemas`.
-
-    Raises:
-        ValueError: a file's footer cannot be read (the message names it).
-        TypeError: two files disagree on a column's type (see ``unify_parquet_schemas``).
-    """
-    return unify_parquet_schemas(paths, [footer.schema for footer in parquet_footers(fs, paths)])
-
-
-def parquet_footers(fs: pafs.FileSystem, paths: Sequence[str]) -> list[Footer]:
-    """Every file's footer figures (schema, rows, uncompressed bytes), read in parallel threads.
-
-    Raises:
-        ValueError: a file's footer cannot be read (the message names it).
-    """
-    import pyarrow.parquet as pq
-
-    from raydl._internal.io.parquet import Footer
-
-    def read_footer(path: str) -> Footer:
-        try:
-            with fs.open_input_file(path) as f:
-                metadata = pq.read_metadata(f)
-                return Footer(
-                    schema=metadata.schema.to_arrow_schema(),
-                    num_rows=metadata.num_rows,
-                    num_bytes=sum(
-                        metadata.row_group(i).total_byte_size
-                        for i in range(metadata.num_row_groups)
-                    ),
-                )
-        except (FileNotFoundError, PermissionError, RemoteReadError, MemoryError):
-            raise
-        except Exception as err:
-            raise _unreadable_parquet(path, f"{type(err).__name__}: {err}") from err
-
-    with ThreadPoolExecutor(max_workers=LISTING_THREADS, thread_name_prefix="raydl-schema") as pool:
-        return list(pool.map(read_footer, paths))
-
-
-def unify_parquet_schemas(paths: Sequence[str], schemas: Sequence[pa.Schema]) -> pa.Schema:
-    """One schema for the files ``paths`` whose footers gave ``schemas``.
-
-    Ray's parquet reader takes the first file's schema, so a column that only later
-    files have would be dropped without a word. Here every footer counts: types
-    widen where Arrow can (float32 + float64 -> float64), and an integer column
-    missing from some files becomes float64, so that its missing rows (nulls, NaN
-    in numpy) give every batch the same dtype.
-
-    Raises:
-        TypeError: two files disagree on a column's type in a way Arrow cannot
-            widen; the message names the column's types and both files.
-    """
-    import pyarrow as pa
-
-    unified = schemas[0]
-    for path, schema in zip(paths[1:], schemas[1:], strict=True):
-        try:
-            unified = pa.unify_schemas([unified, schema], promote_options="permissive")
-        except (pa.ArrowTypeError, pa.ArrowInvalid) as err:
-            raise TypeError(
-                f"parquet files disagree on a column's type: {err} (between {paths[0]!r} "
-                f"and the files up to {path!r}). Cast the column when writing, read the files "
-                "separately, or pass schema= to read them all with one schema"
-            ) from err
-    everywhere = set.intersection(*(set(schema.names) for schema in schemas))
-    fields = [
-        field.with_type(pa.float64())
-        if field.name not in everywhere and pa.types.is_integer(field.type)
-        else field
-        for field in unified
-    ]
-    return pa.schema(fields, metadata=unified.metadata)
-
-
-def _footer_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
-    """``fs`` without its disk cache: checking a footer must not download the whole file."""
-    if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, RemoteHandler):
-        return to_pyarrow(fs.handler.without_cache())
-    return fs
 
 
 def read_images(
@@ -531,9 +326,9 @@ def read_images(
             mode=mode,
             **ray_options,
         )
-    from ray.data._internal.datasource.image_datasource import ImageFileMetadataProvider
+    from raydl._internal.ray_compat import reads
 
-    ray_options.setdefault("file_extensions", skips.SkippingImageDatasource._FILE_EXTENSIONS)
+    ray_options.setdefault("file_extensions", reads.IMAGE_EXTENSIONS)
     return _read_skipping(
         skips.SkippingImageDatasource,
         stripped,
@@ -543,7 +338,7 @@ def read_images(
         include_paths=include_paths,
         size=size,
         mode=mode,
-        meta_provider=ImageFileMetadataProvider(),
+        meta_provider=reads.ImageFileMetadataProvider(),
     )
 
 
@@ -589,16 +384,15 @@ def read_binary_files(
     import ray.data
 
     from raydl._internal.io import skips
+    from raydl._internal.io.files import READ_DATASOURCE_OPTIONS, FileListDatasource
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
     cluster.ensure_ray()
-    if set(ray_options) <= _FILE_LIST_OPTIONS:
+    if set(ray_options) <= LISTING_OPTIONS | READ_DATASOURCE_OPTIONS:
         # raydl's own reader: many files per task (Ray's costs ~1 ms of CPU per file).
-        from raydl._internal.io.files import FileListDatasource
-
         files = list_files(
             fs,
             stripped,
@@ -669,10 +463,6 @@ def _as_path_list(paths: PathsLike) -> list[str]:
     if not path_list:
         raise ValueError("paths option should name at least one path or URL, got an empty list")
     return path_list
-
-
-def _and_more(paths: list[str]) -> str:
-    return f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
 
 
 def _strip(path: str) -> str:

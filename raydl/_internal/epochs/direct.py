@@ -33,6 +33,7 @@ boundaries), but the order is still a pure function of (seed, epoch).
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils import ExceptionWrapper
 
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
+from raydl._internal.ray_compat import batches, plans
 
 #: Files per run (one actor request), at most: the unit of work, retry and the first batch's wait.
 FILES_PER_RUN = 512
@@ -80,19 +82,16 @@ class Stage:
 
     def apply(self, blocks: Iterable[Any]) -> Iterator[Any]:
         """The function's (checked) outputs for ``blocks``, batched as Ray Data's ``map_batches``."""
-        from ray.data._internal.block_batching.block_batching import batch_blocks
-        from ray.data._internal.planner.plan_udf_map_op import _validate_batch_output
-
-        batches = batch_blocks(
-            iter(blocks),
+        cut = batches.batches(
+            blocks,
             batch_size=self.batch_size,
             batch_format=self.batch_format,  # None: the block as it is, as Ray passes it
             ensure_copy=not self.zero_copy_batch and self.batch_size is not None,
         )
-        for batch in batches:
+        for batch in cut:
             out = self.fn(batch, *self.fn_args, **self.fn_kwargs)
             for each in out if isinstance(out, collections.abc.Generator) else (out,):
-                _validate_batch_output(each)
+                batches.validate_output(each)
                 yield each
 
 
@@ -112,57 +111,47 @@ class DirectPlan:
 
 def direct_plan(dataset: Any) -> DirectPlan | None:
     """``dataset``'s plan as a :class:`DirectPlan`, or ``None`` if Ray Data must run it."""
-    try:
-        from ray.data import TaskPoolStrategy
-        from ray.data._internal.logical.operators.map_operator import MapBatches
-        from ray.data._internal.logical.operators.read_operator import Read
+    from raydl._internal.io.files import FileRunsDatasource
 
-        from raydl._internal.io.files import FileRunsDatasource
-
-        ops = list(dataset._logical_plan.dag.post_order_iter())
-    except (ImportError, AttributeError):  # pragma: no cover - Ray moved its internals
+    found = plans.read_then_map_batches(dataset)
+    if found is None:
         return None
-    if not ops or type(ops[0]) is not Read:
-        return None
-    read: Any = ops[0]
-    source = read.datasource_or_legacy_reader
+    read, views = found
+    source = read.datasource
     if (
         not isinstance(source, FileRunsDatasource)
         or not _plain(read.ray_remote_args)
-        or getattr(read.compute, "size", None) is not None  # read concurrency capped
+        or read.concurrency is not None  # read concurrency capped
         or any((size or 0) > MAX_FILE_BYTES for _, size in source.files)
     ):
         return None
     cpus = []  # what each stage asks per task
     stages = []
     concurrency = None
-    for op in ops[1:]:
-        stage: Any = op
+    for view in views:
         if (
-            type(op) is not MapBatches
-            or not isinstance(stage.compute, TaskPoolStrategy)
-            or stage.ray_remote_args_fn is not None
-            or not _plain(stage.ray_remote_args)
-            or stage.fn_constructor_args
-            or stage.fn_constructor_kwargs
-            or getattr(stage, "per_block_limit", None) is not None
-            or not (stage.batch_size is None or isinstance(stage.batch_size, int))
-            or not callable(stage.fn)
-            or isinstance(stage.fn, type)
+            not view.on_tasks
+            or view.has_remote_args_fn
+            or not _plain(view.ray_remote_args)
+            or view.has_constructor_args
+            or view.per_block_limit is not None
+            or not (view.batch_size is None or isinstance(view.batch_size, int))
+            or not callable(view.fn)
+            or isinstance(view.fn, type)
         ):
             return None
-        cpus.append(stage.ray_remote_args.get("num_cpus", 1))
-        if stage.compute.size is not None:
-            concurrency = min(concurrency or stage.compute.size, stage.compute.size)
+        cpus.append(view.ray_remote_args.get("num_cpus", 1))
+        if view.concurrency is not None:
+            concurrency = min(concurrency or view.concurrency, view.concurrency)
         stages.append(
             Stage(
-                name=op.name,
-                fn=stage.fn,
-                fn_args=tuple(stage.fn_args or ()),
-                fn_kwargs=dict(stage.fn_kwargs or {}),
-                batch_size=stage.batch_size,
-                batch_format=stage.batch_format,
-                zero_copy_batch=stage.zero_copy_batch,
+                name=view.name,
+                fn=view.fn,
+                fn_args=view.fn_args,
+                fn_kwargs=view.fn_kwargs,
+                batch_size=view.batch_size,
+                batch_format=view.batch_format,
+                zero_copy_batch=view.zero_copy_batch,
             )
         )
     # An actor runs a run's read and all its stages: the stages' CPU requests (the read's
@@ -170,7 +159,7 @@ def direct_plan(dataset: Any) -> DirectPlan | None:
     num_cpus = max(cpus or [read.ray_remote_args.get("num_cpus", 1)])
     if not num_cpus or not 0 < num_cpus <= 1:  # a multi-threaded stage keeps Ray's threads
         return None
-    names = tuple(op.name for op in ops)
+    names = (read.name, *(view.name for view in views))
     return DirectPlan(source, tuple(stages), float(num_cpus), concurrency, names)
 
 
@@ -231,19 +220,14 @@ class EpochWork:
         ``own_context``: install the plan's ``DataContext`` while loading (in an actor;
         not in the trainer's process, whose other threads may read the current one).
         """
-        from ray.data import DataContext
         from ray.data.block import BlockAccessor
 
-        previous = DataContext._set_current(self.context) if own_context else None
-        try:
+        with batches.current_context(self.context) if own_context else contextlib.nullcontext():
             outputs: Iterable[Any] = self.source._reader(list(paths))()
             for stage in self.stages:
                 outputs = stage.apply(map(BlockAccessor.batch_to_block, outputs))
-            batches = (_as_numpy(output) for output in outputs)
-            return [batch for batch in batches if _rows(batch)]
-        finally:
-            if own_context:
-                DataContext._set_current(previous)
+            loaded = (_as_numpy(output) for output in outputs)
+            return [batch for batch in loaded if _rows(batch)]
 
 
 def _rows(batch: dict[str, np.ndarray]) -> int:

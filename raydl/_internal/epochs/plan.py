@@ -25,15 +25,11 @@ With ``deterministic=True`` the epoch plan runs with Ray Data's
 
 from __future__ import annotations
 
-import copy
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from raydl._internal.epochs.shuffle import epoch_seed
+from raydl._internal.ray_compat import plans
 
 if TYPE_CHECKING:
     import ray.data
@@ -68,9 +64,7 @@ def plan_epoch(
     deterministic: bool,
 ) -> EpochPlan:
     """Derive the epoch's Ray Data plan from the user's dataset (pure: nothing executes)."""
-    from ray.data import Dataset
-
-    ds = Dataset.copy(dataset, _deep_copy=True)  # own DataContext: the user's stays untouched
+    ds = plans.own_copy(dataset)  # own DataContext: the user's stays untouched
     ds.context.execution_options.preserve_order = deterministic
     # A stage's exception reaches the trainer with its own type, as torch's workers' do.
     ds.context.raise_original_map_exception = True
@@ -98,34 +92,11 @@ def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:
 
     Ray Data retries map and read tasks forever (``max_retries=-1``) and actor-pool
     tasks on restarted actors forever (``max_task_retries=-1``). The operators of
-    the user's plan are shared with the user's dataset, so the stages are copied
-    (Ray's own copy-on-write ``_apply_transform``), never changed in place. A stage
-    whose ``ray_remote_args`` already say how often to retry keeps them.
+    the user's plan are shared with the user's dataset, so the stages are copied,
+    never changed in place (:func:`raydl._internal.ray_compat.plans.bound_retries`).
+    A stage whose ``ray_remote_args`` already say how often to retry keeps them.
     """
-    try:
-        from ray.data import ActorPoolStrategy
-        from ray.data._internal.logical.operators.map_operator import AbstractMap
-    except ImportError:  # pragma: no cover - Ray moved its internals
-        warnings.warn(
-            "raydl could not bound Ray Data's task retries (Ray's internals moved): an input "
-            "that kills its worker every time will be retried forever",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return dataset
-
-    def bounded(op: Any) -> Any:
-        if not isinstance(op, AbstractMap):
-            return op
-        given: Any = op  # Ray sets a stage's fields dynamically: mypy cannot see them
-        key = "max_task_retries" if isinstance(given.compute, ActorPoolStrategy) else "max_retries"
-        if key in given.ray_remote_args:
-            return op
-        stage = copy.copy(op)
-        object.__setattr__(stage, "ray_remote_args", {**given.ray_remote_args, key: retries})
-        return stage
-
-    return _rewritten(dataset, bounded)
+    return plans.bound_retries(dataset, retries)
 
 
 def fuse_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
@@ -144,83 +115,11 @@ def fuse_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
     bundle). Stages Ray could not fuse with the read (other resources, a
     ``ray_remote_args_fn``) keep their bundling.
     """
-    try:
-        from ray.data._internal.logical.operators.map_operator import AbstractMap
-        from ray.data._internal.logical.operators.read_operator import Read
-        from ray.data._internal.logical.rules.operator_fusion import (
-            are_op_remote_args_compatible,
-        )
-    except ImportError:  # pragma: no cover - Ray moved its internals: stages stay unfused
-        return dataset
-
     from raydl._internal.io.files import FileRunsDatasource
 
-    def unbundled(op: Any) -> Any:
-        given: Any = op  # Ray sets a stage's fields dynamically: mypy cannot see them
-        if (
-            not isinstance(op, AbstractMap)
-            or isinstance(op, Read)
-            or given.min_rows_per_bundled_input is None
-            or len(op.input_dependencies) != 1
-        ):
-            return op
-        read: Any = op.input_dependencies[0]
-        if not (
-            isinstance(read, Read)
-            and isinstance(getattr(read, "datasource", None), FileRunsDatasource)
-            and are_op_remote_args_compatible(read, given)
-        ):
-            return op
-        stage = copy.copy(op)
-        object.__setattr__(stage, "min_rows_per_bundled_input", None)
-        return stage
-
-    return _rewritten(dataset, unbundled)
-
-
-def _rewritten(dataset: ray.data.Dataset, rewrite: Callable[[Any], Any]) -> ray.data.Dataset:
-    """``dataset`` with ``rewrite`` applied to each operator (Ray's copy-on-write ``_apply_transform``).
-
-    ``rewrite`` returns its operator unchanged or a changed copy, never changing it in
-    place: the operators are shared with the user's dataset. No copy, same dataset.
-    """
-    from ray.data._internal.logical.interfaces import LogicalPlan
-
-    plan = dataset._logical_plan
-    dag = plan.dag._apply_transform(rewrite)
-    if dag is plan.dag:
-        return dataset
-    return type(dataset)._from_parent(dataset, LogicalPlan(dag, plan.context))
-
-
-class _PermutedReads:
-    """A datasource (or legacy reader) whose read tasks come in a seeded random order."""
-
-    def __init__(self, inner: Any, seed: int) -> None:
-        self._inner = inner
-        self._seed = seed
-
-    def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[Any]:
-        tasks = list(self._inner.get_read_tasks(parallelism, *args, **kwargs))
-        order = np.random.default_rng(self._seed).permutation(len(tasks))
-        return [tasks[i] for i in order]
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the inner datasource's
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.__dict__["_inner"], name)
-
-
-class _FixedFileShuffle:
-    """A ``ListFiles`` shuffle-config factory: the same file order for every execution."""
-
-    def __init__(self, seed: int) -> None:
-        self._seed = seed
-
-    def __call__(self) -> Any:
-        from ray.data import FileShuffleConfig
-
-        return FileShuffleConfig(seed=self._seed, reseed_after_execution=False)
+    return plans.unbundle_after_reads(
+        dataset, lambda source: isinstance(source, FileRunsDatasource)
+    )
 
 
 def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
@@ -229,57 +128,28 @@ def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
     Ray's file-based readers list their files in a ``ListFiles`` source whose
     file shuffle is set to ``seed``; raydl's file readers (binary files, parquet)
     permute their files before cutting them into tasks; other reads (Ray's V1
-    parquet reader, ``range``) get their read tasks permuted.
+    parquet reader, ``range``) get their read tasks permuted
+    (:func:`raydl._internal.ray_compat.plans.permute_reads`).
 
     Raises:
         ValueError: a source of the plan is not a read (``from_numpy``,
             ``from_arrow``, a materialized dataset): it has no files to reorder.
     """
-    from ray.data._internal.logical.operators.read_operator import ListFiles, Read
-
-    plan = dataset._logical_plan
-    for source in plan.sources():
-        if not isinstance(source, (Read, ListFiles)):
-            raise ValueError(
-                f'shuffle_mode="files" reorders the files a plan reads, but a source of this '
-                f"plan, {source.name}, is not a read; use shuffle_mode='blocks' or 'global', "
-                "or read the data with raydl.read_parquet / read_images / ray.data.read_*"
-            )
-
-    def permuted(op: Any) -> Any:
-        if isinstance(op, ListFiles):
-            listing = copy.copy(op)
-            object.__setattr__(listing, "shuffle_config_factory", _FixedFileShuffle(seed))
-            return listing
-        if isinstance(op, Read):
-            read = copy.copy(op)
-            inner = op.datasource_or_legacy_reader
-            if hasattr(inner, "permuted"):  # raydl's file readers: permuted per file
-                object.__setattr__(read, "datasource", inner.permuted(seed))
-                object.__setattr__(read, "datasource_or_legacy_reader", read.datasource)
-            else:
-                proxy = _PermutedReads(inner, seed)
-                object.__setattr__(read, "datasource_or_legacy_reader", proxy)
-            return read
-        return op
-
-    return _rewritten(dataset, permuted)
+    others = plans.non_read_sources(dataset)
+    if others:
+        raise ValueError(
+            f'shuffle_mode="files" reorders the files a plan reads, but a source of this '
+            f"plan, {others[0]}, is not a read; use shuffle_mode='blocks' or 'global', "
+            "or read the data with raydl.read_parquet / read_images / ray.data.read_*"
+        )
+    return plans.permute_reads(dataset, seed)
 
 
 def stage_names(dataset: ray.data.Dataset) -> tuple[str, ...]:
     """The names of the plan's stages, sources first (``ReadParquet``, ``MapBatches(decode)``)."""
-    try:
-        return tuple(op.name for op in dataset._logical_plan.dag.post_order_iter())
-    except AttributeError:  # pragma: no cover - Ray moved its internals
-        return ()
+    return plans.stage_names(dataset)
 
 
 def has_all_to_all(dataset: ray.data.Dataset) -> bool:
     """Whether the plan has an all-to-all stage (shuffle, sort, repartition, ...)."""
-    try:
-        from ray.data._internal.logical.operators.all_to_all_operator import AbstractAllToAll
-
-        ops = dataset._logical_plan.dag.post_order_iter()
-        return any(isinstance(op, AbstractAllToAll) for op in ops)
-    except (ImportError, AttributeError):  # Ray moved its internals: assume a streaming plan
-        return False
+    return plans.has_all_to_all(dataset)

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 FILES_PER_TASK = 4096
 #: Bytes per read task, at most, where the listing gave the files' sizes.
 TASK_BYTES = RUN_BYTES
+#: What ``ray.data.read_datasource`` takes besides the source (resources, concurrency, blocks).
+READ_DATASOURCE_OPTIONS = frozenset(
+    {"override_num_blocks", "concurrency", "num_cpus", "memory", "ray_remote_args"}
+)
 
 
 class FileRunsDatasource(Datasource):

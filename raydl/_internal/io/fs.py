@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from raydl._internal.io.cache import DiskCache
 
 __all__ = [
+    "LISTING_OPTIONS",
     "LISTING_THREADS",
     "RemoteHandler",
     "RemoteReadError",
@@ -390,6 +391,10 @@ def without_cache(filesystem: pafs.FileSystem) -> pafs.FileSystem:
 def to_pyarrow(handler: RemoteHandler) -> pafs.PyFileSystem:
     """The pyarrow filesystem that Ray Data's readers take."""
     return pafs.PyFileSystem(handler)
+
+
+#: The readers' options that :func:`list_files` applies (before Ray sees the file list).
+LISTING_OPTIONS = frozenset({"file_extensions", "ignore_missing_paths", "partition_filter"})
 
 
 def list_files(

@@ -19,13 +19,17 @@ driver.
 
 How each reader skips, without re-implementing Ray Data's readers:
 
-* images and binary files: subclasses of Ray Data's ``ImageDatasource`` /
-  ``BinaryDatasource`` whose per-file read decodes the whole file before
-  yielding anything, so a failure leaves out exactly that file;
-* parquet: the files' footers are read in parallel threads when the plan is
-  built, and the bad ones are handed to Ray Data's ``read_parquet`` as
-  ``skip_paths``. A file whose footer is valid but whose data pages are
-  corrupt still fails the read, with an error naming it.
+* raydl's own file-list reader (``io/files.py``): each file's read error is
+  checked against :func:`skippable` in the read task;
+* Ray's images and binary files readers: subclasses of Ray Data's
+  ``ImageDatasource`` / ``BinaryDatasource`` whose per-file read decodes the
+  whole file before yielding anything
+  (:class:`raydl._internal.ray_compat.reads.WholeFileGuard`), so a failure
+  leaves out exactly that file;
+* parquet: every file's footer is read once, in parallel threads, when the plan
+  is built (:func:`raydl._internal.io.parquet.read_footers`), and the bad files
+  are left out of the file list the reader gets. A file whose footer is valid
+  but whose data pages are corrupt still fails the read, with an error naming it.
 """
 
 from __future__ import annotations
@@ -33,29 +37,23 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-import pyarrow.fs as pafs
-from ray.data._internal.datasource.binary_datasource import BinaryDatasource
-from ray.data._internal.datasource.image_datasource import ImageDatasource
-
-from raydl._internal.io.fs import LISTING_THREADS
+from raydl._internal.ray_compat import reads
 from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
-    import pyarrow as pa
     from ray.actor import ActorHandle
-    from ray.data.block import Block
 
 __all__ = [
     "BadFilePolicy",
     "SkippingBinaryDatasource",
     "SkippingImageDatasource",
-    "find_bad_parquet_files",
     "ledger",
+    "never_skipped",
     "record_skip",
+    "skippable",
     "snapshot",
     "validate_policy",
 ]
@@ -169,113 +167,35 @@ def _is_retried_by_ray(err: BaseException, patterns: Sequence[str]) -> bool:
     return False
 
 
+def never_skipped(err: BaseException) -> bool:
+    """Whether ``err`` says nothing about the file's bytes (a remote down, memory): never skipped."""
+    return isinstance(err, _NEVER_SKIPPED)
+
+
 def skippable(err: BaseException, retried_patterns: Sequence[str]) -> bool:
     """Whether ``on_bad_file="skip"`` may skip a file for ``err``.
 
     Never: remote failures past the retry budget, memory errors, and errors Ray
     retries (their task runs again instead).
     """
-    if isinstance(err, _NEVER_SKIPPED):
+    if never_skipped(err):
         return False
     return not _is_retried_by_ray(err, retried_patterns)
 
 
-class _Unreadable:
-    """Stands in for a file that could not be opened, so the per-file read can skip it."""
+class _SkipBadFiles(reads.WholeFileGuard):
+    """A Ray ``FileBasedDatasource`` subclass's per-file policy: skip what :func:`skippable` allows."""
 
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+    def _may_leave_out(self, err: BaseException, retried_patterns: Sequence[str]) -> bool:
+        return skippable(err, retried_patterns)
 
-    def __enter__(self) -> _Unreadable:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def _left_out(self, path: str, err: BaseException) -> None:
+        record_skip(path, err)
 
 
-class _SkipBadFilesMixin:
-    """Per-file ``_open_input_source``/``_read_stream`` of a ``FileBasedDatasource`` that skip.
-
-    The whole file is decoded before any block is yielded, so a failure drops
-    exactly that file's rows.
-    """
-
-    _data_context: Any
-
-    def _open_input_source(
-        self, filesystem: pafs.FileSystem, path: str, **open_args: Any
-    ) -> pa.NativeFile | _Unreadable:
-        try:
-            return super()._open_input_source(filesystem, path, **open_args)  # type: ignore[misc]
-        except Exception as err:
-            if not self._skippable(err):
-                raise
-            return _Unreadable(err)
-
-    def _read_stream(self, f: pa.NativeFile | _Unreadable, path: str) -> Iterator[Block]:
-        if isinstance(f, _Unreadable):
-            record_skip(path, f.error)
-            return
-        read: Callable[[Any, str], Iterator[Block]] = super()._read_stream  # type: ignore[misc]
-        try:
-            blocks = list(read(f, path))
-        except Exception as err:
-            if not self._skippable(err):
-                raise
-            record_skip(path, err)
-            return
-        yield from blocks
-
-    def _skippable(self, err: BaseException) -> bool:
-        return skippable(err, self._data_context.retried_io_errors or ())
-
-
-class SkippingImageDatasource(_SkipBadFilesMixin, ImageDatasource):
+class SkippingImageDatasource(_SkipBadFiles, reads.ImageDatasource):
     """Ray Data's ``ImageDatasource`` that skips images it cannot read or decode."""
 
 
-class SkippingBinaryDatasource(_SkipBadFilesMixin, BinaryDatasource):
+class SkippingBinaryDatasource(_SkipBadFiles, reads.BinaryDatasource):
     """Ray Data's ``BinaryDatasource`` that skips files it cannot read."""
-
-
-def _parquet_footer_error(filesystem: pafs.FileSystem, path: str, size: int | None) -> str | None:
-    """Why the parquet footer of ``path`` cannot be read, or ``None`` if it can."""
-    import pyarrow.parquet as pq
-
-    if size == 0:
-        return "empty file (0 bytes), not a parquet file"
-    try:
-        with filesystem.open_input_file(path) as f:
-            pq.read_metadata(f)
-    except Exception as err:
-        if isinstance(err, _NEVER_SKIPPED):
-            raise
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
-def find_bad_parquet_files(
-    filesystem: pafs.FileSystem,
-    files: Sequence[tuple[str, int | None]],
-    *,
-    first_only: bool = False,
-    threads: int = LISTING_THREADS,
-) -> list[tuple[str, str]]:
-    """``(path, reason)`` of each file whose parquet footer cannot be read, in ``files`` order.
-
-    Footers are read in parallel threads. With ``first_only`` the files are
-    checked in chunks and the search stops after the first chunk with a bad file.
-
-    Raises:
-        RemoteReadError: The remote failed for longer than the retry budget.
-    """
-    chunk = max(1, threads * 4) if first_only else max(1, len(files))
-    bad: list[tuple[str, str]] = []
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raydl-footer") as pool:
-        for start in range(0, len(files), chunk):
-            part = files[start : start + chunk]
-            reasons = pool.map(lambda f: _parquet_footer_error(filesystem, f[0], f[1]), part)
-            bad += [(path, r) for (path, _), r in zip(part, reasons, strict=True) if r is not None]
-            if bad and first_only:
-                break
-    return bad

@@ -114,9 +114,9 @@ def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
         if token_auth:
             # Ray caches its config when it is imported; re-read it so that a
             # RAY_AUTH_MODE set just now (after an earlier `import ray`) applies.
-            from ray._raylet import Config  # type: ignore[attr-defined]
+            from raydl._internal.ray_compat import cluster as ray_core
 
-            Config.initialize("")
+            ray_core.reload_config()
         common = {
             "logging_level": logging.WARNING,
             "log_to_driver": True,
@@ -144,12 +144,21 @@ def _quiet_ray_data() -> None:
     """Keep Ray Data's progress bars and per-execution banners off the user's terminal."""
     from ray.data import DataContext
 
+    from raydl._internal.ray_compat import cluster as ray_core
+
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     # Ray Data warns once that progress bars are off; that is raydl's choice, not news.
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    logging.getLogger(ray_core.PROGRESS_LOGGER).setLevel(logging.ERROR)
+
+
+def cpus() -> int:
+    """The CPUs of the cluster this process is connected to (at least 1)."""
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 def shutdown() -> None:

@@ -1,0 +1,80 @@
+"""raydl's compat layer against the installed Ray, without a cluster: the version rule and checks.
+
+The checks that build Ray Data plans need Ray initialised: they run in
+tests/integration/test_ray_compat.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import ray
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from raydl._internal import ray_compat
+from raydl._internal.ray_compat import plans
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(60)
+def test_every_modules_checks_pass_against_the_installed_ray() -> None:
+    ran = ray_compat.self_test()
+    for module in ("batches", "cluster", "plans", "reads"):
+        assert f"{module}.check" in ran
+    assert not [name for name in ran if name.endswith("check_live")]  # those need a cluster
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_check_is_reported_with_the_version_range_and_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def moved() -> None:
+        raise AttributeError("Ray's Read operator has no datasource")
+
+    monkeypatch.setattr(plans, "check", moved)
+    with pytest.raises(ray_compat.RayCompatError) as info:
+        ray_compat.self_test()
+    message = str(info.value)
+    assert "plans.check: AttributeError: Ray's Read operator has no datasource" in message
+    assert f"Ray {ray.__version__}" in message
+    assert ray_compat.SUPPORTED in message and ray_compat.INSTALL in message
+
+
+@pytest.mark.parametrize("version", ["2.60.0", "2.60.7", "2.60.0rc1"])
+def test_a_supported_ray_passes_silently(version: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ray_compat.check_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.59.2", "2.40.0", "1.13.0", "not-a-version"])
+def test_an_older_ray_is_an_import_error_naming_version_range_and_fix(version: str) -> None:
+    with pytest.raises(ImportError, match=r"raydl needs Ray >=2\.60,<2\.61") as info:
+        ray_compat.check_version(version)
+    assert version in str(info.value)
+    assert "pip install 'ray[data,train]==2.60.*'" in str(info.value)
+
+
+@pytest.mark.parametrize("version", ["2.61.0", "2.70.1", "3.0.0.dev0"])
+def test_a_newer_ray_warns_naming_version_range_and_fix(version: str) -> None:
+    with pytest.warns(
+        ray_compat.RayVersionWarning, match=r"tested with Ray >=2\.60,<2\.61"
+    ) as seen:
+        ray_compat.check_version(version)
+    message = str(seen[0].message)
+    assert f"Ray {version} is installed" in message
+    assert "self_test()" in message and ray_compat.INSTALL in message
+
+
+def test_the_installed_ray_is_in_the_range_pyproject_declares() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (ray_requirement,) = [
+        Requirement(dep) for dep in project["dependencies"] if Requirement(dep).name == "ray"
+    ]
+    assert ray_requirement.specifier == SpecifierSet(ray_compat.SUPPORTED)
+    assert ray_requirement.specifier.contains(ray.__version__, prereleases=True)
