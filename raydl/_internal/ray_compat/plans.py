@@ -138,7 +138,7 @@ def read_then_map_batches(
         name=read.name,
         datasource=read.datasource_or_legacy_reader,
         ray_remote_args=read.ray_remote_args,
-        concurrency=read.compute.size,
+        concurrency=getattr(read.compute, "size", None),  # an actor pool has no size
     )
     stages = []
     for op in ops[1:]:
