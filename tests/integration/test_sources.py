@@ -350,7 +350,7 @@ def test_binary_files_are_read_many_per_task_and_shuffled_per_file(
     # the epoch plan fuses the read into a stage with a batch size, one read task per
     # task (Ray would bundle 64 read tasks, each counted as one row, into one task)
     staged = ds.map_batches(lambda b: b, batch_size=64)
-    epoch_plan = raydl.RayDataLoader(staged, batch_size=64)._plan(0).dataset
+    epoch_plan = raydl.RayDataLoader(staged, batch_size=64)._source._epoch_plan(0).dataset
     assert sum(len(b["path"]) for b in epoch_plan.iter_batches(batch_size=None)) == count
     executed = re.search(
         r"ReadBinaryFiles->MapBatches\(<lambda>\): (\d+) tasks executed", epoch_plan.stats()
