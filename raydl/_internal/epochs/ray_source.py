@@ -296,7 +296,7 @@ class RaySource:
             pool = self._direct_pool = WorkerPool(
                 RunLoader(), spec, restartable=True, options=options
             )
-        files = direct.source._files
+        files = direct.source.files
         buffer, buffer_seed = plan.local_shuffle_buffer_size, plan.local_shuffle_seed
 
         def cut(blocks: Any) -> Any:
