@@ -33,7 +33,7 @@ from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.device import CudaCopier, DeviceCopy, resolve_device
 from raydl._internal.stream.epoch_iterator import EpochIterator
 from raydl._internal.stream.metrics import EpochStats, summarize
-from raydl._internal.torch_args import MAP, RAY, resolve
+from raydl._internal.torch_args import MAP, RAY, check, with_defaults
 from raydl.options import LoaderOptions
 
 __all__ = ["LoaderOptions", "RayDataLoader"]
@@ -151,8 +151,7 @@ class RayDataLoader(Iterable[Any]):
         device: str | torch.device | int | None = None,
         world: World | None = None,
     ) -> None:
-        self._world = world if world is not None else World.detect()
-        args = resolve(
+        checked = check(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -162,11 +161,8 @@ class RayDataLoader(Iterable[Any]):
             collate_fn=collate_fn,
             drop_last=drop_last,
             timeout=timeout,
-            generator=generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
-            seed=seed,
-            world=self._world,
         )
         self.options = LoaderOptions(
             seed=seed,
@@ -182,6 +178,8 @@ class RayDataLoader(Iterable[Any]):
             device=device,
             world=world,
         )
+        self._world = world if world is not None else World.detect()
+        args = with_defaults(checked, dataset, generator=generator, seed=seed, world=self._world)
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = args.prefetch_factor

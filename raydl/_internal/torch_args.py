@@ -1,6 +1,6 @@
 """torch's ``DataLoader`` arguments: its checks, its errors and its sampler defaults.
 
-:func:`resolve` follows ``torch.utils.data.DataLoader.__init__`` line by line, so
+:func:`check` and :func:`with_defaults` follow ``torch.utils.data.DataLoader.__init__`` line by line, so
 a script that torch rejects is rejected here with torch's message, and one that
 torch accepts gets the same sampler, batch sampler and collate function. The one
 raydl addition: under several ranks a map-style dataset without a sampler is
@@ -10,7 +10,7 @@ sharded with a ``DistributedSampler``, as if the script had passed one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ class TorchArgs:
     auto_sharded: bool
 
 
-def resolve(
+def check(
     dataset: Any,
     *,
     batch_size: int | None,
@@ -81,13 +81,15 @@ def resolve(
     collate_fn: Callable[[Any], Any] | None,
     drop_last: bool,
     timeout: float,
-    generator: torch.Generator | None,
     prefetch_factor: int | None,
     persistent_workers: bool,
-    seed: int | None,
-    world: World,
 ) -> TorchArgs:
-    """Check torch's arguments as torch does and fill in torch's defaults."""
+    """Check torch's arguments as torch does, in torch's order, with torch's errors.
+
+    The result holds the arguments as given (after torch's rewrites of
+    ``batch_size``, ``drop_last`` and ``prefetch_factor``); :func:`with_defaults`
+    adds torch's samplers and collate function.
+    """
     if num_workers < 0:
         raise ValueError(
             "num_workers option should be non-negative; "
@@ -145,6 +147,34 @@ def resolve(
             "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
         )
 
+    return TorchArgs(
+        kind=kind,
+        shuffle=shuffle,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+        collate_fn=collate_fn,
+        prefetch_factor=prefetch_factor,
+        auto_sharded=False,
+    )
+
+
+def with_defaults(
+    args: TorchArgs,
+    dataset: Any,
+    *,
+    generator: torch.Generator | None,
+    seed: int | None,
+    world: World,
+) -> TorchArgs:
+    """``args`` with torch's default sampler, batch sampler and collate function filled in.
+
+    Under several ranks a map-style dataset without a sampler gets a
+    ``DistributedSampler`` (``seed`` or 0), as if the script had passed one.
+    """
+    kind, shuffle, sampler = args.kind, args.shuffle, args.sampler
+    batch_size, batch_sampler, collate_fn = args.batch_size, args.batch_sampler, args.collate_fn
     auto_sharded = False
     if kind == ITERABLE:
         sampler = _InfiniteConstantSampler()
@@ -162,17 +192,13 @@ def resolve(
             RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         )
     if batch_size is not None and batch_sampler is None and sampler is not None:
-        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        batch_sampler = BatchSampler(sampler, batch_size, args.drop_last)
     if collate_fn is None and kind != RAY:
         collate_fn = default_collate if batch_sampler is not None else default_convert
-    return TorchArgs(
-        kind=kind,
-        shuffle=shuffle,
-        batch_size=batch_size,
-        drop_last=drop_last,
+    return replace(
+        args,
         sampler=sampler,
         batch_sampler=batch_sampler,
         collate_fn=collate_fn,
-        prefetch_factor=prefetch_factor,
         auto_sharded=auto_sharded,
     )

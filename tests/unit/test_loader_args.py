@@ -330,3 +330,8 @@ def test_set_epoch_sets_the_next_epoch() -> None:
     assert loader.epoch == 0
     loader.set_epoch(4)
     assert loader.epoch == 4
+
+
+def test_a_world_of_the_wrong_type_is_named_before_it_is_used() -> None:
+    with pytest.raises(TypeError, match=r"world option should be a raydl.World or None, got tuple"):
+        RayDataLoader(list(range(10)), world=(0, 2))  # type: ignore[arg-type]

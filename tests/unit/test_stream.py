@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -422,3 +423,94 @@ def test_tensors_pass_through_unchanged() -> None:
     batch = {"x": torch.arange(3)}
     iterator = EpochIterator(ListProducer([batch]), epoch=0)
     assert next(iterator) is batch
+
+
+def test_discarding_from_the_build_thread_itself_does_not_wait_for_itself() -> None:
+    """A loader collected on the prestart thread discards its early epoch from there."""
+    early = NextEpoch()
+    done = threading.Event()
+
+    def build() -> EpochStart:
+        early.discard()  # what a loader's __del__ does when the GC runs on this thread
+        done.set()
+        return _started(2)[0]
+
+    early.start(2, build)
+    assert done.wait(5)
+    assert early.take(2) is None
+
+
+def test_discard_waits_for_a_running_build_and_closes_what_it_built() -> None:
+    early = NextEpoch()
+    started, producer = _started(1)
+    release = threading.Event()
+
+    def build() -> EpochStart:
+        release.wait(5)
+        return started
+
+    early.start(1, build)
+    threading.Timer(0.2, release.set).start()
+    early.discard()
+    assert producer.closed_with is False  # built after the discard began, closed by it
+
+
+# -- the Ray Data producer over a fake DataIterator ---------------------------------------
+
+
+class FakeDataIterator:
+    """Ray Data's iterator hooks that RayIteration wraps, over numpy blocks."""
+
+    def __init__(self, blocks: int, delay_s: float) -> None:
+        self.blocks, self.delay_s = blocks, delay_s
+        self.stats_calls = 0
+
+    def _to_ref_bundle_iterator(self) -> tuple[Any, Any, Any]:
+        return (None, None, None)
+
+    def _create_batch_iterator(self, *args: Any, **kwargs: Any) -> Any:
+        return iter(())
+
+    def iter_batches(self, **kwargs: Any) -> Any:
+        for i in range(self.blocks):
+            time.sleep(self.delay_s)
+            yield {"x": np.arange(i * 4, i * 4 + 4)}
+
+    def stats(self) -> str:
+        self.stats_calls += 1
+        return "stats"
+
+
+def _ray_producer(source: FakeDataIterator, asked: list[int], **kwargs: Any) -> Any:
+    from raydl._internal.stream.ray_producer import RayDataProducer
+
+    return RayDataProducer(
+        source,
+        batch_size=4,
+        drop_last=False,
+        local_shuffle_buffer_size=None,
+        local_shuffle_seed=None,
+        collate=lambda batch: batch["x"].tolist(),
+        prefetch=1,
+        epoch=0,
+        start_next=lambda: asked.append(1) is None,
+        **kwargs,
+    )
+
+
+def test_a_ray_epoch_delivers_skips_and_asks_for_the_next_epoch_at_its_end() -> None:
+    source, asked = FakeDataIterator(blocks=3, delay_s=0), []
+    iterator = EpochIterator(_ray_producer(source, asked, skip=1), epoch=0, skip=1)
+    assert list(iterator) == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert iterator.num_yielded == 3
+    assert asked == [1] and source.stats_calls == 1
+    assert iterator.stats.ray_data == "stats"
+
+
+def test_a_ray_epoch_closed_early_asks_for_nothing_more() -> None:
+    """A break stops the producer: no next epoch, no stats call (a Ray call on a split)."""
+    source, asked = FakeDataIterator(blocks=50, delay_s=0.01), []
+    iterator = EpochIterator(_ray_producer(source, asked), epoch=0)
+    assert next(iterator) == [0, 1, 2, 3]
+    iterator.close()
+    assert asked == [] and source.stats_calls == 0

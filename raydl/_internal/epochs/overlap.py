@@ -93,12 +93,22 @@ class NextEpoch:
             self._handoff = self._epoch = None
         if handoff is None:
             return None
+        builder = handoff.thread
+        here = builder is threading.current_thread()
+        if started_epoch != epoch or here:
+            # Not wanted: stopped, a build still running closes what it builds, and one
+            # already handed over is taken here and closed. The build is waited for (it
+            # must not call Ray after a ray.shutdown() that follows), unless this is the
+            # build's own thread (a loader garbage-collected there).
+            handoff.stop(join_s=0)
+            if builder is not None and not here:
+                builder.join()
+            with contextlib.suppress(StopIteration):
+                handoff.take(0).close()
+            return None
         try:
-            started: EpochStart | None = handoff.take(0)
-        except StopIteration:
-            started = None
-        if started is not None and started_epoch != epoch:
-            started.close()
+            started: EpochStart = handoff.take(0)
+        except StopIteration:  # the build failed: iter() builds the epoch itself
             return None
         return started
 

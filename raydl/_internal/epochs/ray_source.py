@@ -145,7 +145,11 @@ class RaySource:
             self._expected, self._resume_armed = epoch, resume
 
     def discard_early(self, keep: int | None = None) -> None:
-        """Stop the epoch started early, unless it is epoch ``keep``."""
+        """Stop the epoch started early, unless it is epoch ``keep``.
+
+        Not under the policy's lock: closing that epoch joins its producer thread,
+        which may be waiting for the lock to ask for its own successor.
+        """
         if keep is None or self._next.epoch not in {None, keep}:
             self._next.discard()
 
@@ -232,13 +236,12 @@ class RaySource:
         epoch). Asked by epoch ``epoch - 1`` while that one was itself started
         early and not yet taken, the answer is "not yet".
         """
-        with self._lock:
+        with self._lock:  # no iter(), set_epoch or load_state_dict in between
             if self._expected == epoch - 1:
                 return False
-            if self._expected != epoch or self._resume_armed:
-                return True
-        self._next.start(epoch, lambda: self._single_rank(epoch, skip=0))
-        return True
+            if self._expected == epoch and not self._resume_armed:
+                self._next.start(epoch, lambda: self._single_rank(epoch, skip=0))
+            return True
 
     def _ray_producer(
         self,

@@ -97,6 +97,10 @@ class RayCalls:
         return list(ready)
 
 
+class _WorkerLostError(WorkerDiedError):
+    """:class:`WorkerDiedError` for a lost worker, caused by Ray's own error (retryable)."""
+
+
 #: How long one wait for a result lasts before the caller's ``between`` hook runs.
 SLICE_S = 0.05
 
@@ -134,13 +138,13 @@ def get_sliced(
         except ResultTimeout:
             between()
         except WorkerLost as err:
-            raise WorkerDiedError(
+            raise _WorkerLostError(
                 f"Ray worker {worker_id} died while loading {what()} "
                 f"(retried {retries} times on a fresh worker; {err}). If "
                 "this input crashes the worker process every time (os._exit, a segfault "
                 "in a decoder, out of memory), fix or remove it; the worker's own log is "
                 "in Ray's session directory (/tmp/ray/session_latest/logs)."
-            ) from err
+            ) from (err.__cause__ or err)
 
 
 class Dispatcher:
@@ -204,8 +208,8 @@ class Dispatcher:
                     retries=request.attempts,
                 )
                 break
-            except WorkerDiedError as err:
-                if not isinstance(err.__cause__, WorkerLost) or request.attempts >= self._retries:
+            except _WorkerLostError:
+                if request.attempts >= self._retries:
                     raise
                 request.attempts += 1
                 self._retry_alone(request)

@@ -172,16 +172,17 @@ class IterableProducer(_PoolProducer):
         self._skip = skip
         self.handoff = Handoff(maxsize=1)
         # Started on the trainer's thread, as torch starts its workers' iterators.
-        for ref in [self._calls.submit(actor, "start_iteration") for actor in pool.actors]:
-            self._get(ref, 0)
+        refs = [self._calls.submit(actor, "start_iteration") for actor in pool.actors]
+        for worker_id, ref in enumerate(refs):
+            self._get(ref, worker_id, what=_start)
         self.handoff.start(self._loop, name="raydl-iterable-fetcher")
 
-    def _get(self, ref: Any, worker_id: int) -> Any:
+    def _get(self, ref: Any, worker_id: int, what: Callable[[], str] | None = None) -> Any:
         return get_sliced(
             self._calls,
             ref,
             between=self._check_stop,
-            what=_next_batch,
+            what=what or _next_batch,
             worker_id=worker_id,
             retries=0,
         )
@@ -211,6 +212,10 @@ class IterableProducer(_PoolProducer):
 
 def _next_batch() -> str:
     return "the next batch"
+
+
+def _start() -> str:
+    return "the start of its iteration (unpickling the dataset, worker_init_fn)"
 
 
 class DirectProducer(_PoolProducer):

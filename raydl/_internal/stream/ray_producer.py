@@ -96,11 +96,15 @@ class RayDataProducer(Producer):
         try:
             for batch in skip_consumed(self._watched(batches), self._skip):
                 self.handoff.put(self._collate(batch))
+            if self.handoff.stopped:  # closed while Ray's output ended: no next epoch, no stats
+                return
             self._ask_next_epoch()
             with contextlib.suppress(Exception):  # a summary is a nicety, never a failure
                 self._summary = self._source.stats()
         finally:
-            batches.close()  # shuts Ray Data's streaming executor down
+            # Clean-up never replaces the stage's own error (it is what the trainer sees).
+            with contextlib.suppress(Exception):
+                batches.close()  # shuts Ray Data's streaming executor down
             self._ray.stop_prefetchers()
             if self.handoff.stopped:  # closed early: Ray's threads may still be inside Ray
                 self._ray.join_executor()
@@ -124,8 +128,10 @@ class RayDataProducer(Producer):
 
     def close(self, *, stalled: bool = False) -> None:
         handoff = self.handoff
+        # Stopped first: a producer whose Ray output ends now must see the stop (no next
+        # epoch started, no stats asked, Ray's threads waited for).
+        handoff.stop(join_s=0)
         if not is_connected():  # after ray.shutdown() there is no execution left to stop
-            handoff.stop(join_s=0)
             return
         if stalled:
             # The producer is stuck inside Ray's iterator until the stage yields: shut
@@ -134,7 +140,6 @@ class RayDataProducer(Producer):
         # Wait for the producer to close Ray's iterator (its executor shuts down and
         # nothing touches Ray after a later ray.shutdown()).
         thread = handoff.thread
-        handoff.stop(join_s=0)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 if stalled else 30)
         if stalled:
