@@ -44,6 +44,7 @@ from torch.utils.data._utils import ExceptionWrapper
 
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
+from raydl._internal.stream.batching import row_count
 
 #: Files per run (one actor request), at most: the unit of work, retry and the first batch's wait.
 FILES_PER_RUN = 512
@@ -227,11 +228,7 @@ class EpochWork:
             for stage in self.stages:
                 outputs = stage.apply(map(BlockAccessor.batch_to_block, outputs))
             loaded = (_as_numpy(output) for output in outputs)
-            return [batch for batch in loaded if _rows(batch)]
-
-
-def _rows(batch: dict[str, np.ndarray]) -> int:
-    return len(next(iter(batch.values()))) if batch else 0
+            return [batch for batch in loaded if row_count(batch)]
 
 
 def _as_numpy(output: Any) -> dict[str, np.ndarray]:

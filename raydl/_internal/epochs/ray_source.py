@@ -27,7 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from raydl._internal.epochs.direct import DirectPlan, RunLoader, direct_plan
+from raydl._internal.epochs.direct import (
+    WINDOW_BYTES,
+    DirectPlan,
+    RunLoader,
+    describe_run,
+    direct_plan,
+    loaded_bytes,
+)
 from raydl._internal.epochs.direct import pool_size as direct_pool_size
 from raydl._internal.epochs.direct import runs as direct_runs
 from raydl._internal.epochs.elastic import batch_counts
@@ -322,6 +329,9 @@ class RaySource:
             collate=settings.collate_fn or numpy_batch_to_tensors,
             skip=skip,
             start_next=start_next,
+            window_bytes=WINDOW_BYTES,
+            size_of=loaded_bytes,
+            describe=lambda request: describe_run(request[1]),
             description=(
                 f"{' -> '.join(direct.names)} on {len(pool)} raydl actors ({len(files)} files)"
             ),

@@ -25,7 +25,8 @@ Batch = dict[str, np.ndarray]
 T = TypeVar("T")
 
 
-def _rows(batch: Batch) -> int:
+def row_count(batch: Batch) -> int:
+    """Rows of a numpy batch (0 for one without columns)."""
     for column in batch.values():
         return len(column)
     return 0
@@ -46,7 +47,7 @@ def rebatch(blocks: Iterable[Batch], batch_size: int, drop_last: bool) -> Iterat
     pending: list[Batch] = []  # rows not yet in a batch, fewer than batch_size in all
     held = 0
     for block in blocks:
-        rows = _rows(block)
+        rows = row_count(block)
         if rows == 0:
             continue
         start = 0
@@ -149,7 +150,7 @@ def shuffle_rebatch(
     rng = np.random.default_rng(seed)
     pool = _Pool()
     for block in blocks:
-        rows = _rows(block)
+        rows = row_count(block)
         if rows == 0:
             continue
         pool.add(block, rows)

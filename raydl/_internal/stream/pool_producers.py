@@ -23,7 +23,6 @@ from typing import Any
 
 from torch.utils.data._utils import ExceptionWrapper
 
-from raydl._internal.epochs.direct import WINDOW_BYTES, describe_run, loaded_bytes
 from raydl._internal.stream.batching import skip_consumed
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, RayCalls, get_sliced
 from raydl._internal.stream.epoch_iterator import Producer
@@ -228,8 +227,8 @@ class DirectProducer(_PoolProducer):
     map-style batches (a run is a pure function of its files). Once every run is
     sent, ``start_next`` is asked to start the next epoch (and asked again at each
     block while it answers ``False``: too soon). Fewer runs are in flight when
-    loaded runs are large: at most
-    :data:`~raydl._internal.epochs.direct.WINDOW_BYTES` by the largest run so far.
+    loaded runs are large: at most ``window_bytes`` by the largest run so far
+    (``size_of`` a run's blocks). ``describe`` names a run in an error.
     """
 
     def __init__(
@@ -243,11 +242,16 @@ class DirectProducer(_PoolProducer):
         collate: Callable[[Any], Any],
         skip: int,
         start_next: Callable[[], bool] | None,
+        window_bytes: int,
+        size_of: Callable[[Any], int],
+        describe: Callable[[Any], str],
         description: str,
         name: str,
         calls: Calls | None = None,
     ) -> None:
         super().__init__(None)
+        self._window_bytes = window_bytes
+        self._size_of = size_of
         self._runs = runs
         self._window = max(1, window)
         self._cut = cut
@@ -259,7 +263,7 @@ class DirectProducer(_PoolProducer):
             pool,
             calls or RayCalls(),
             method="fetch",
-            describe=lambda request: describe_run(request[1]),
+            describe=describe,
             between=self._check_stop,
         )
         self.blocks = 0  # blocks received so far (for the epoch's summary)
@@ -292,6 +296,6 @@ class DirectProducer(_PoolProducer):
                 return
             blocks = unwrap(self._dispatch.collect())
             self.blocks += len(blocks)
-            self._largest = max(self._largest, loaded_bytes(blocks))
-            window = max(1, min(self._window, WINDOW_BYTES // max(1, self._largest)))
+            self._largest = max(self._largest, self._size_of(blocks))
+            window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
             yield from blocks
