@@ -119,10 +119,6 @@ class Handoff:
         """Whether the consumer stopped this hand-off (the producer should stop too)."""
         return self._stop.is_set()
 
-    def wait_stopped(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``, returning early (``True``) once stopped."""
-        return self._stop.wait(seconds)
-
     # -- the consumer's side ------------------------------------------------------------
 
     def take(self, timeout: float) -> Any:
