@@ -130,10 +130,11 @@ def test_an_epoch_resumed_at_another_world_size_is_rebuilt_the_same_way(folder: 
     head = [i for _ in range(4) for i in next(it)["id"].tolist()]
     state = LoaderState.from_dict(json.loads(json.dumps(loader.state_dict())))
     rest = [i for batch in it for i in batch["id"].tolist()]
-    plan = loader._source._epoch_plan(state.epoch)
+    plan, direct = loader._source._plans(state.epoch, True)
+    assert direct is not None
     shares = ray_shares(
         plan.dataset, state, 2, batch_size=8, drop_last=False,
-        buffer=plan.local_shuffle_buffer_size, buffer_seed=plan.local_shuffle_seed, direct=True,
+        buffer=plan.local_shuffle_buffer_size, buffer_seed=plan.local_shuffle_seed, direct=direct,
     )  # fmt: skip
     assert [i for share in shares for i in share.column("id").to_pylist()] == rest
     assert sorted(head + rest) == list(range(FILES))

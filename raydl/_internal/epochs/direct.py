@@ -35,16 +35,19 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 from torch.utils.data._utils import ExceptionWrapper
 
+from raydl._internal.epochs.exchange import Exchange, partition_count
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
 from raydl._internal.stream.batching import row_count
+from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, SplitCalls
+from raydl._internal.stream.exchange_producer import Partitions
 
 #: Files per run (one actor request), at most: the unit of work, retry and the first batch's wait.
 FILES_PER_RUN = 512
@@ -105,9 +108,18 @@ class DirectPlan:
     num_cpus: float  # per actor: what the read and the stages ask per task
     concurrency: int | None  # the stages' task cap (map_batches(concurrency=N)), if any
     names: tuple[str, ...]  # the plan's stage names, for messages and stats
+    exchange: Exchange | None = None  # the epoch's global shuffle (exchange.py), if any
 
     def work(self, context: Any) -> EpochWork:
-        return EpochWork(self.source, self.stages, context)
+        return EpochWork(self.source, self.stages, context, self.exchange)
+
+    def runs(self) -> list[tuple[str, ...]]:
+        """The epoch's runs of files (see :func:`runs`)."""
+        return runs(self.source.files)
+
+    def shuffled(self, seed: int) -> DirectPlan:
+        """This plan with a global shuffle drawn from ``seed`` (one output partition per run)."""
+        return replace(self, exchange=Exchange(seed, partition_count(len(self.runs()))))
 
 
 def direct_plan(dataset: Any) -> DirectPlan | None:
@@ -206,12 +218,31 @@ def describe_run(paths: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True)
+class LoadRun:
+    """A request: load a run, its rows after every stage (the streaming mode)."""
+
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MapRun:
+    """A request: load run ``run`` and group its rows by output partition (map phase)."""
+
+    run: int
+    paths: tuple[str, ...]
+
+
+Task = LoadRun | MapRun
+
+
+@dataclass(frozen=True)
 class EpochWork:
-    """What an actor needs to load a run of one epoch: the read, the stages, Ray's context."""
+    """What an actor needs for the runs of one epoch: the read, the stages, Ray's context."""
 
     source: Any
     stages: tuple[Stage, ...]
     context: Any  # the epoch plan's ray.data.DataContext (retried errors, block sizes)
+    exchange: Exchange | None = None
 
     def load(
         self, paths: Sequence[str], *, own_context: bool = True
@@ -229,6 +260,25 @@ class EpochWork:
                 outputs = stage.apply(map(BlockAccessor.batch_to_block, outputs))
             loaded = (_as_numpy(output) for output in outputs)
             return [batch for batch in loaded if row_count(batch)]
+
+    def run(self, task: Task) -> Any:
+        """An actor's reply to ``task``.
+
+        :class:`LoadRun`: a list of numpy batches. :class:`MapRun`: ``(counts, piece_0,
+        ..., piece_{P-1})``, one Ray object each (the call's ``num_returns``).
+        """
+        if isinstance(task, LoadRun):
+            return self.load(task.paths)
+        assert self.exchange is not None
+        counts, pieces = self.exchange.split(task.run, self.load(task.paths))
+        return (counts, *pieces)
+
+    def failed(self, task: Task, error: ExceptionWrapper) -> Any:
+        """The reply carrying ``error`` in place of ``task``'s (as many objects as its reply)."""
+        if isinstance(task, MapRun):
+            assert self.exchange is not None
+            return (error, *([None] * self.exchange.partitions))
+        return error
 
 
 def _as_numpy(output: Any) -> dict[str, np.ndarray]:
@@ -251,47 +301,99 @@ def _as_numpy(output: Any) -> dict[str, np.ndarray]:
 
 
 class RunLoader(Dataset[Any]):
-    """The "dataset" of a direct pool's actors: request ``(work, paths)`` -> the run's blocks.
+    """The "dataset" of a direct pool's actors: request ``(work, task)`` -> the task's reply.
 
     The pool's actors are :class:`~raydl._internal.workers.worker.DatasetWorker` s (restarts,
     exception transport and seeding are theirs); this object is their dataset. The
     work of an epoch travels as an object reference (put once per epoch) and is
-    kept for the next requests, so a request carries only its files.
+    kept for the next requests, so a request carries only its task.
     """
 
     def __init__(self) -> None:
         self._works: dict[Any, EpochWork] = {}
 
-    def __getitem__(self, request: tuple[list[Any], Sequence[str]]) -> Any:
+    def __getitem__(self, request: tuple[list[Any], Task]) -> Any:
         import ray
 
-        holder, paths = request
+        holder, task = request
         ref = holder[0]
         work = self._works.get(ref)
         if work is None:
             work = ray.get(ref)
             self._works = {ref: work, **dict(list(self._works.items())[:1])}  # this + one more
         try:
-            return work.load(paths)
+            return work.run(task)
         except Exception:
             stages = " -> ".join(stage.name for stage in work.stages) or "the read"
-            return ExceptionWrapper(where=f"in {stages} on a raydl actor, {describe_run(paths)}")
+            where = f"in {stages} on a raydl actor, {describe_run(task.paths)}"
+            wrapper = ExceptionWrapper(where=where)
+            return work.failed(task, wrapper)
+
+
+def map_phase(
+    pool: Pool,
+    work: Any,
+    plan: DirectPlan,
+    between: Callable[[], None],
+    calls: Calls | None = None,
+) -> Partitions:
+    """A globally shuffled epoch's map phase on ``pool``'s actors (``exchange.py``).
+
+    Every run is loaded and split by output partition on an actor; the pieces stay
+    in the object store, owned by this process. ``work``: the epoch's
+    :class:`EpochWork`, put in the object store; ``between``: a stop check.
+    """
+    exchange = plan.exchange
+    assert exchange is not None
+    parts = exchange.partitions
+    dispatch = Dispatcher(
+        pool,
+        calls or SplitCalls(parts + 1),
+        method="fetch",
+        describe=lambda request: describe_run(request[1].paths),
+        between=between,
+    )
+    holder = [work]  # nested in a list, the reference reaches the actors unresolved
+    for index, run in enumerate(plan.runs()):
+        dispatch.send((holder, MapRun(index, run)))
+    counts = [0] * parts
+    pieces: list[list[Any]] = [[] for _ in range(parts)]
+    while dispatch:
+        head, refs = dispatch.collect()
+        if isinstance(head, ExceptionWrapper):
+            head.reraise()
+        for part in range(parts):
+            counts[part] += head[part]
+            pieces[part].append(refs[part])
+    return Partitions(counts, list(pieces))
 
 
 class LocalRuns:
     """An epoch of a :class:`DirectPlan` loaded in this process, run after run.
 
     Stands in for a Ray Data source where a stream of blocks is re-run to rebuild
-    an interrupted epoch (elastic resume): the same runs, in the same order, give
-    the same blocks the actors gave. One process does the whole rest of the epoch:
-    an elastic resume of a large epoch takes that long on rank 0.
+    an interrupted epoch (elastic resume): the same runs, in the same order (and
+    through the same exchange, for a global shuffle), give the same blocks the
+    actors gave. One process does the whole rest of the epoch: an elastic resume
+    of a large epoch takes that long on rank 0.
     """
 
     def __init__(self, plan: DirectPlan, context: Any) -> None:
         self._work = plan.work(context)
-        self._runs = runs(plan.source.files)
+        self._runs = plan.runs()
 
     def iter_batches(self, **_: Any) -> Iterator[dict[str, np.ndarray]]:
         """The epoch's blocks as numpy batches (Ray's ``batch_size=None`` iteration)."""
-        for run in self._runs:
-            yield from self._work.load(run, own_context=False)
+        exchange = self._work.exchange
+        if exchange is None:
+            for run in self._runs:
+                yield from self._work.load(run, own_context=False)
+            return
+        pieces = [
+            exchange.split(index, self._work.load(run, own_context=False))[1]
+            for index, run in enumerate(self._runs)
+        ]
+        for part in range(exchange.partitions):
+            block = exchange.reduce(part, [run_pieces[part] for run_pieces in pieces])
+            if row_count(block):
+                yield block

@@ -41,6 +41,7 @@ STAGE_RETRIES = 3
 
 _BLOCK_ORDER_STREAM = 1
 _LOCAL_BUFFER_STREAM = 2
+_EXCHANGE_STREAM = 3
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,11 @@ def plan_epoch(
             buffer = local_shuffle_buffer_size
             buffer_seed = epoch_seed(seed, epoch, _LOCAL_BUFFER_STREAM)
     return EpochPlan(ds, buffer, buffer_seed, all_to_all=has_all_to_all(ds))
+
+
+def exchange_seed(seed: int, epoch: int) -> int:
+    """The seed of the epoch's global shuffle on raydl's actors (``exchange.py``)."""
+    return epoch_seed(seed, epoch, _EXCHANGE_STREAM)
 
 
 def bound_retries(dataset: ray.data.Dataset, retries: int) -> ray.data.Dataset:

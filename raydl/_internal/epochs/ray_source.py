@@ -30,16 +30,23 @@ from typing import Any
 from raydl._internal.epochs.direct import (
     WINDOW_BYTES,
     DirectPlan,
+    LoadRun,
     RunLoader,
     describe_run,
     direct_plan,
     loaded_bytes,
+    map_phase,
 )
 from raydl._internal.epochs.direct import pool_size as direct_pool_size
-from raydl._internal.epochs.direct import runs as direct_runs
 from raydl._internal.epochs.elastic import batch_counts
 from raydl._internal.epochs.overlap import NextEpoch
-from raydl._internal.epochs.plan import STAGE_RETRIES, EpochPlan, plan_epoch, stage_names
+from raydl._internal.epochs.plan import (
+    STAGE_RETRIES,
+    EpochPlan,
+    exchange_seed,
+    plan_epoch,
+    stage_names,
+)
 from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.resume import ShareHolder, ray_shares
 from raydl._internal.epochs.shuffle import rank_seed
@@ -49,6 +56,7 @@ from raydl._internal.runtime import cluster
 from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.batching import cut_batches
 from raydl._internal.stream.epoch_iterator import Producer
+from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
 from raydl._internal.stream.pool_producers import DirectProducer
 from raydl._internal.stream.ray_producer import RayDataProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
@@ -185,11 +193,11 @@ class RaySource:
 
     # -- one rank -----------------------------------------------------------------------
 
-    def _epoch_plan(self, epoch: int) -> EpochPlan:
+    def _epoch_plan(self, epoch: int, *, shuffle: bool | None = None) -> EpochPlan:
         settings, options = self._settings, self._settings.options
         return plan_epoch(
             self.dataset(epoch),
-            shuffle=settings.shuffle,
+            shuffle=settings.shuffle if shuffle is None else shuffle,
             shuffle_mode=options.shuffle_mode,
             local_shuffle_buffer_size=options.local_shuffle_buffer_size
             or max(1024, 4 * settings.batch_size),
@@ -198,6 +206,22 @@ class RaySource:
             deterministic=options.deterministic,
         )
 
+    def _plans(self, epoch: int, direct: bool) -> tuple[EpochPlan, DirectPlan | None]:
+        """The epoch's plan, and its direct form when ``direct`` and raydl's actors can run it.
+
+        A global shuffle on the direct path is raydl's exchange (``exchange.py``) over
+        the unshuffled plan; a plan the direct path refuses keeps Ray Data's
+        ``random_shuffle``.
+        """
+        settings = self._settings
+        if direct and settings.shuffle and settings.options.shuffle_mode == "global":
+            plain = self._epoch_plan(epoch, shuffle=False)
+            simple = direct_plan(plain.dataset)
+            if simple is not None:
+                return plain, simple.shuffled(exchange_seed(settings.seed, epoch))
+        plan = self._epoch_plan(epoch)
+        return plan, direct_plan(plan.dataset) if direct else None
+
     def _single_rank(self, epoch: int, skip: int, direct: bool | None = None) -> EpochStart:
         """Epoch ``epoch`` on one rank; it starts the next epoch early when allowed.
 
@@ -205,7 +229,9 @@ class RaySource:
         ``None``: as the ``direct_execution`` option says.
         """
         options = self._settings.options
-        plan = self._epoch_plan(epoch)
+        if direct is None:
+            direct = options.direct_execution
+        plan, simple = self._plans(epoch, direct)
         start_next = None
         if options.overlap_epochs:
             # A weak reference: a producer thread must not keep a dropped loader's
@@ -216,9 +242,6 @@ class RaySource:
                 owner = source()
                 return owner is None or owner._start_early(epoch + 1)
 
-        if direct is None:
-            direct = options.direct_execution
-        simple = direct_plan(plan.dataset) if direct else None
         record = EpochRecord(epoch=epoch, direct=simple is not None)
         producer: Producer
         if simple is not None:
@@ -282,11 +305,102 @@ class RaySource:
         epoch: int,
         skip: int,
         start_next: Callable[[], bool] | None,
-    ) -> DirectProducer:
+    ) -> Producer:
         """Epoch ``epoch`` of a simple file plan, on this source's own actors (``direct.py``)."""
         import ray
 
         settings = self._settings
+        pool = self._pool_for(direct, plan)
+        files = direct.source.files
+        collate = settings.collate_fn or numpy_batch_to_tensors
+        work = ray.put(direct.work(plan.dataset.context))
+        names = " -> ".join(direct.names)
+        if direct.exchange is not None:
+            return self._exchange_producer(
+                direct,
+                lambda between: map_phase(pool, work, direct, between),
+                epoch=epoch,
+                skip=skip,
+                start_next=start_next,
+                description=(
+                    f"{names} -> global shuffle ({direct.exchange.partitions} partitions) "
+                    f"on {len(pool)} raydl actors ({len(files)} files)"
+                ),
+            )
+        buffer, buffer_seed = plan.local_shuffle_buffer_size, plan.local_shuffle_seed
+
+        def cut(blocks: Any) -> Any:
+            return cut_batches(
+                blocks,
+                batch_size=settings.batch_size,
+                drop_last=settings.drop_last,
+                buffer=buffer,
+                seed=buffer_seed,
+            )
+
+        return DirectProducer(
+            pool,
+            # Nested in a list, the reference reaches the actors unresolved (they keep it).
+            [([work], LoadRun(tuple(run))) for run in direct.runs()],
+            window=settings.prefetch * len(pool),
+            prefetch=settings.prefetch,
+            cut=cut,
+            collate=collate,
+            skip=skip,
+            start_next=start_next,
+            window_bytes=WINDOW_BYTES,
+            size_of=loaded_bytes,
+            describe=lambda request: describe_run(request[1].paths),
+            description=f"{names} on {len(pool)} raydl actors ({len(files)} files)",
+            name=f"raydl-epoch-{epoch}-direct",
+        )
+
+    def _exchange_producer(
+        self,
+        direct: DirectPlan,
+        phase: Callable[[Callable[[], None]], Partitions],
+        *,
+        epoch: int,
+        skip: int,
+        start_next: Callable[[], bool] | None,
+        description: str,
+        share: Callable[[int], tuple[int, int]] = lambda total: (0, total),
+    ) -> ExchangeProducer:
+        """A globally shuffled direct epoch: ``phase`` gives its map phase, ``share`` this
+        rank's rows of it; the first ``skip`` batches (a resume) are not reduced at all."""
+        settings = self._settings
+        exchange = direct.exchange
+        assert exchange is not None
+
+        def rows(total: int) -> tuple[int, int]:
+            start, stop = share(total)
+            return min(stop, start + skip * settings.batch_size), stop
+
+        def cut(blocks: Any) -> Any:
+            return cut_batches(
+                blocks,
+                batch_size=settings.batch_size,
+                drop_last=settings.drop_last,
+                buffer=None,
+                seed=None,
+            )
+
+        return ExchangeProducer(
+            map_phase=phase,
+            rows=rows,
+            reduce=exchange.reduce,
+            cut=cut,
+            collate=settings.collate_fn or numpy_batch_to_tensors,
+            prefetch=settings.prefetch,
+            start_next=start_next,
+            description=description,
+            name=f"raydl-epoch-{epoch}-exchange",
+        )
+
+    def _pool_for(self, direct: DirectPlan, plan: EpochPlan) -> WorkerPool:
+        """The actors that run direct plans (started at the first direct epoch)."""
+        import ray
+
         pool = self._direct_pool
         if pool is None:
             # Sized once: an epoch started early shares it with the current one, so it is
@@ -300,43 +414,13 @@ class RaySource:
                 collate_fn=None,
                 auto_collation=False,
                 worker_init_fn=None,
-                base_seed=settings.seed,
+                base_seed=self._settings.seed,
             )
             options = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
             pool = self._direct_pool = WorkerPool(
                 RunLoader(), spec, restartable=True, options=options
             )
-        files = direct.source.files
-        buffer, buffer_seed = plan.local_shuffle_buffer_size, plan.local_shuffle_seed
-
-        def cut(blocks: Any) -> Any:
-            return cut_batches(
-                blocks,
-                batch_size=settings.batch_size,
-                drop_last=settings.drop_last,
-                buffer=buffer,
-                seed=buffer_seed,
-            )
-
-        work = ray.put(direct.work(plan.dataset.context))
-        return DirectProducer(
-            pool,
-            # Nested in a list, the reference reaches the actors unresolved (they keep it).
-            [([work], tuple(run)) for run in direct_runs(files)],
-            window=settings.prefetch * len(pool),
-            prefetch=settings.prefetch,
-            cut=cut,
-            collate=settings.collate_fn or numpy_batch_to_tensors,
-            skip=skip,
-            start_next=start_next,
-            window_bytes=WINDOW_BYTES,
-            size_of=loaded_bytes,
-            describe=lambda request: describe_run(request[1]),
-            description=(
-                f"{' -> '.join(direct.names)} on {len(pool)} raydl actors ({len(files)} files)"
-            ),
-            name=f"raydl-epoch-{epoch}-direct",
-        )
+        return pool
 
     # -- several ranks ------------------------------------------------------------------
 
@@ -383,8 +467,8 @@ class RaySource:
     def _rank0_plan(self, epoch: int, elastic: LoaderState | None) -> RankPlan:
         """Rank 0's plan of the epoch for every rank (see :class:`RankPlan`)."""
         world, settings = self._world, self._settings
-        plan = self._epoch_plan(epoch)
         if elastic is None:
+            plan = self._epoch_plan(epoch)
             splits = plan.dataset.streaming_split(world.world_size, equal=True)
             return RankPlan(
                 epoch,
@@ -393,6 +477,8 @@ class RaySource:
                 buffer=plan.local_shuffle_buffer_size,
                 buffer_seed=plan.local_shuffle_seed,
             )
+        # The rest of the epoch is rebuilt the way it ran (its order depends on it).
+        plan, direct = self._plans(epoch, elastic.direct_execution is True)
         shares: Any = ray_shares(
             plan.dataset,
             elastic,
@@ -401,7 +487,7 @@ class RaySource:
             drop_last=settings.drop_last,
             buffer=plan.local_shuffle_buffer_size,
             buffer_seed=plan.local_shuffle_seed,
-            direct=elastic.direct_execution is True,
+            direct=direct,
         )
         if world.is_distributed:
             import ray

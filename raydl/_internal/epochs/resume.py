@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from raydl._internal.epochs import elastic
-from raydl._internal.epochs.direct import LocalRuns, direct_plan
+from raydl._internal.epochs.direct import DirectPlan, LocalRuns
 from raydl._internal.epochs.shuffle import rank_seed
 from raydl._internal.epochs.state import LoaderState, decode_rng
 from raydl._internal.stream.batching import ray_batches
@@ -119,12 +119,13 @@ def ray_shares(
     drop_last: bool,
     buffer: int | None,
     buffer_seed: int | None,
-    direct: bool,
+    direct: DirectPlan | None,
 ) -> list[pa.Table]:
     """Per new rank: its rows of the rest of the epoch, as a table.
 
-    ``direct``: the epoch ran on raydl's own actors (``direct.py``; one rank only),
-    so its stream is rebuilt the same way: the same runs, loaded here.
+    ``direct``: the epoch ran on raydl's own actors as this plan (``direct.py``; one
+    rank only), so its stream is rebuilt the same way: the same runs (and exchange),
+    loaded here.
     """
     import pyarrow as pa
 
@@ -132,8 +133,7 @@ def ray_shares(
     old_world, consumed = segments[0]
     if old_world == 1:
         # One rank ran the epoch on raydl's actors when its plan was simple enough.
-        simple = direct_plan(plan_dataset) if direct else None
-        local = LocalRuns(simple, plan_dataset.context) if simple is not None else None
+        local = LocalRuns(direct, plan_dataset.context) if direct is not None else None
         streams: Sequence[Any] = [local or plan_dataset]
     else:
         streams = plan_dataset.streaming_split(old_world, equal=True)

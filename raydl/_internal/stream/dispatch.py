@@ -97,6 +97,28 @@ class RayCalls:
         return list(ready)
 
 
+class SplitCalls(RayCalls):
+    """:class:`RayCalls` for calls that reply with ``num_returns`` Ray objects: a head, then the rest.
+
+    ``get`` fetches the head only and returns ``(head, [references to the rest])``:
+    the rest stays in the object store, owned by this process (it outlives the
+    actor that made it).
+    """
+
+    def __init__(self, num_returns: int) -> None:
+        self._num_returns = num_returns
+
+    def submit(self, actor: Any, method: str, *args: Any) -> Any:
+        return getattr(actor, method).options(num_returns=self._num_returns).remote(*args)
+
+    def get(self, ref: Any, timeout: float) -> Any:
+        return super().get(ref[0], timeout), list(ref[1:])
+
+    def wait(self, refs: Sequence[Any], timeout: float) -> list[Any]:
+        ready = super().wait([ref[0] for ref in refs], timeout)
+        return [ref for ref in refs if ref[0] in ready]
+
+
 class _WorkerLostError(WorkerDiedError):
     """:class:`WorkerDiedError` for a lost worker, caused by Ray's own error (retryable)."""
 

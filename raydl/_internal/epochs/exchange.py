@@ -1,0 +1,120 @@
+"""The per-epoch global shuffle on raydl's own actors: a two-phase exchange.
+
+An epoch of a direct plan (``direct.py``: a file read and ``map_batches``
+functions) is cut into runs of files. With ``shuffle_mode="global"`` every row
+of the epoch lands at a place drawn from (seed, epoch) over the whole dataset:
+
+* **map phase**: an actor loads one run (read and stages, as in the streaming
+  mode) and draws, for each of the run's rows, one of :attr:`Exchange.partitions`
+  output partitions, independently and uniformly (a generator seeded from the
+  epoch's seed and the run's index). It returns the run's rows grouped by
+  partition, one object per partition, plus the count per partition; the objects
+  stay in Ray's object store, owned by the trainer's process;
+* **reduce phase**: partition ``p``'s pieces (one per run, in run order) are
+  concatenated on an actor and permuted by a generator seeded from the epoch's
+  seed and ``p``; the epoch is partition 0, then 1, ..., cut into batches.
+
+Each row picks its partition uniformly and independently, and each partition is
+permuted uniformly, so for every vector of partition sizes every ordering of the
+rows is equally likely: the epoch's order is a uniform random permutation (the
+same argument as for Ray Data's ``random_shuffle``, whose map phase splits blocks
+at random). It is a pure function of (seed, epoch) and the rows each run yields,
+not of the cluster's size or of timing.
+
+Nothing comes out of an epoch before its whole map phase has run (every
+partition may hold rows of the last run). The next epoch's map phase starts while
+the current one drains (``DirectProducer``'s ``start_next``), so a warm epoch's
+first batch does not wait for it.
+
+Everything here is a pure function of its arguments (tests run it without Ray);
+the actors call :meth:`Exchange.split` and :meth:`Exchange.reduce`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from raydl._internal.stream.batching import Batch, row_count
+
+_ASSIGN = 0
+_PERMUTE = 1
+
+
+def partition_count(runs: int) -> int:
+    """Output partitions of an epoch cut into ``runs`` runs: as many (a reduce is the size of a run)."""
+    return max(1, runs)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The global shuffle of one epoch: its seed and its number of output partitions."""
+
+    seed: int
+    partitions: int
+
+    def assign(self, run: int, rows: int) -> np.ndarray:
+        """The output partition of each of run ``run``'s ``rows`` rows (uniform, independent)."""
+        rng = np.random.default_rng([self.seed, _ASSIGN, run])
+        return rng.integers(0, self.partitions, size=rows)
+
+    def permutation(self, part: int, rows: int) -> np.ndarray:
+        """The order of partition ``part``'s ``rows`` rows (its pieces concatenated in run order)."""
+        return np.random.default_rng([self.seed, _PERMUTE, part]).permutation(rows)
+
+    def split(self, run: int, blocks: Sequence[Batch]) -> tuple[list[int], list[Batch]]:
+        """Run ``run``'s rows (its loaded blocks) grouped by output partition.
+
+        Returns:
+            The row count of each partition's piece, and the pieces (views of one
+            copy of the run's rows, sorted by partition; row order within a piece is
+            the run's).
+        """
+        rows = concat(blocks)
+        n = row_count(rows)
+        parts = self.assign(run, n)
+        order = np.argsort(parts, kind="stable")
+        counts = np.bincount(parts, minlength=self.partitions)
+        grouped = {name: column[order] for name, column in rows.items()}
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        pieces = [
+            {name: column[bounds[p] : bounds[p + 1]] for name, column in grouped.items()}
+            for p in range(self.partitions)
+        ]
+        return [int(c) for c in counts], pieces
+
+    def reduce(
+        self, part: int, pieces: Sequence[Batch], start: int = 0, stop: int | None = None
+    ) -> Batch:
+        """Rows ``start:stop`` of partition ``part`` in the epoch's order.
+
+        ``pieces``: the partition's piece of every run, in run order.
+        """
+        rows = concat(pieces)
+        order = self.permutation(part, row_count(rows))[start:stop]
+        return {name: column[order] for name, column in rows.items()}
+
+
+def concat(blocks: Sequence[Batch]) -> Batch:
+    """``blocks`` as one batch (the first block's columns; empty blocks count too)."""
+    blocks = [block for block in blocks if block]
+    if not blocks:
+        return {}
+    if len(blocks) == 1:
+        return blocks[0]
+    return {name: np.concatenate([block[name] for block in blocks]) for name in blocks[0]}
+
+
+def shares(total: int, world_size: int) -> list[tuple[int, int]]:
+    """Each rank's rows of an epoch of ``total`` rows: contiguous and equal.
+
+    At most ``world_size - 1`` rows are left out (the epoch's last).
+
+    Example:
+        >>> shares(10, 3)
+        [(0, 3), (3, 6), (6, 9)]
+    """
+    each = total // world_size
+    return [(rank * each, (rank + 1) * each) for rank in range(world_size)]

@@ -1,0 +1,164 @@
+"""The producer of a globally shuffled direct epoch: a map phase, then local reduces.
+
+The epoch's rows were grouped by output partition on raydl's actors (the map
+phase, ``epochs/exchange.py``), their pieces left in Ray's object store. The
+producer's thread waits for that phase (``map_phase``: run it on the actors, or,
+on a rank other than 0, fetch rank 0's result), then takes this consumer's rows
+of the epoch (``rows``), partition by partition: it gets the partition's pieces
+(zero-copy for numeric columns on the same node), reduces them (``reduce``:
+concatenate and permute), cuts batches, converts them and hands them over.
+
+The reduce runs here rather than on an actor so that it never queues behind the
+next epoch's map phase, which starts on the actors as soon as this epoch's map
+phase is done (``start_next``): the actors read and process epoch e+1 while the
+trainer drains epoch e. It costs the trainer's process one concatenation and one
+gather per row, both memory copies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from raydl._internal.stream.batching import Batch, row_count
+from raydl._internal.stream.dispatch import Calls, RayCalls, ResultTimeout
+from raydl._internal.stream.epoch_iterator import Producer
+from raydl._internal.stream.handoff import SLICE_S, Handoff, Stopped
+
+
+@dataclass
+class Partitions:
+    """An epoch's map phase, done: per output partition, its rows and its pieces.
+
+    Attributes:
+        counts: Rows of each output partition.
+        pieces: Per partition, its piece of every run (Ray object references, in run
+            order); an entry is dropped (``None``) once taken, so its memory goes.
+    """
+
+    counts: list[int]
+    pieces: list[list[Any] | None]
+
+    def take(self, part: int) -> list[Any]:
+        """Partition ``part``'s pieces, forgotten here."""
+        pieces = self.pieces[part]
+        assert pieces is not None, f"partition {part} was taken twice"
+        self.pieces[part] = None
+        return pieces
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows ``start:stop`` of output partition ``part``."""
+
+    part: int
+    start: int
+    stop: int
+
+
+def slices(counts: list[int], start: int, stop: int) -> list[Slice]:
+    """The partition slices holding rows ``start:stop`` of the epoch (partitions in order).
+
+    ``counts``: rows per partition.
+
+    Example:
+        >>> [(s.part, s.start, s.stop) for s in slices([3, 0, 4], 2, 6)]
+        [(0, 2, 3), (2, 0, 3)]
+    """
+    out = []
+    offset = 0
+    for part, count in enumerate(counts):
+        lo, hi = max(start, offset), min(stop, offset + count)
+        if lo < hi:
+            out.append(Slice(part, lo - offset, hi - offset))
+        offset += count
+    return out
+
+
+class ExchangeProducer(Producer):
+    """A globally shuffled epoch of a direct plan (see the module docstring).
+
+    Args:
+        map_phase: Runs (or fetches) the epoch's map phase on the producer's thread;
+            given a stop check to call while it waits.
+        rows: The epoch's total row count -> this consumer's rows ``(start, stop)``
+            (a rank's share, less the rows a resume already consumed).
+        reduce: ``(part, pieces, start, stop)`` -> rows ``start:stop`` of partition
+            ``part`` in the epoch's order.
+        cut: Blocks -> batches.
+        collate: A batch -> what the trainer receives.
+        prefetch: Batches handed over ahead of the trainer.
+        start_next: Asked once the map phase is done (and again per partition while
+            it answers ``False``: too soon) to start the next epoch.
+        description: Names the epoch's work in its summary.
+        name: The thread's name.
+        calls: How results are fetched (:class:`RayCalls`; fakes in tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        map_phase: Callable[[Callable[[], None]], Partitions],
+        rows: Callable[[int], tuple[int, int]],
+        reduce: Callable[[int, list[Batch], int, int], Batch],
+        cut: Callable[[Iterator[Batch]], Iterator[Any]],
+        collate: Callable[[Any], Any],
+        prefetch: int,
+        start_next: Callable[[], bool] | None,
+        description: str,
+        name: str,
+        calls: Calls | None = None,
+    ) -> None:
+        self._map_phase = map_phase
+        self._rows = rows
+        self._reduce = reduce
+        self._cut = cut
+        self._collate = collate
+        self._start_next = start_next
+        self._description = description
+        self._calls = calls or RayCalls()
+        self.partitions = 0  # partitions reduced so far (for the summary)
+        self.map_s: float | None = None  # how long the map phase took (or was waited for)
+        self.handoff = Handoff(maxsize=max(1, prefetch))
+        self.handoff.start(self._loop, name=name)
+
+    def summary(self) -> str | None:
+        waited = "" if self.map_s is None else f", map phase {self.map_s:.2f} s"
+        return f"{self._description}: {self.partitions} partitions reduced{waited}"
+
+    def _check_stop(self) -> None:
+        if self.handoff.stopped:
+            raise Stopped
+
+    def _loop(self) -> None:
+        began = time.perf_counter()
+        partitions = self._map_phase(self._check_stop)
+        self.map_s = time.perf_counter() - began
+        self._ask_next()
+        start, stop = self._rows(sum(partitions.counts))
+        for batch in self._cut(self._blocks(partitions, start, stop)):
+            self.handoff.put(self._collate(batch))
+
+    def _ask_next(self) -> None:
+        start = self._start_next
+        if start is not None and not self.handoff.stopped and start():
+            self._start_next = None
+
+    def _blocks(self, partitions: Partitions, start: int, stop: int) -> Iterator[Batch]:
+        for piece in slices(partitions.counts, start, stop):
+            refs = partitions.take(piece.part)
+            block = self._reduce(piece.part, self._get(refs), piece.start, piece.stop)
+            del refs  # the pieces' objects go before the block's batches are handed over
+            self.partitions += 1
+            self._ask_next()
+            if row_count(block):
+                yield block
+
+    def _get(self, refs: list[Any]) -> list[Batch]:
+        while True:
+            try:
+                return list(self._calls.get(refs, SLICE_S))
+            except ResultTimeout:
+                self._check_stop()

@@ -1,0 +1,167 @@
+"""The global shuffle's exchange without Ray: its order, its uniformity, its producer."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from raydl._internal.epochs.exchange import Exchange, concat, shares
+from raydl._internal.stream.batching import rebatch
+from raydl._internal.stream.dispatch import ResultTimeout
+from raydl._internal.stream.epoch_iterator import EpochIterator
+from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions, slices
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _runs(sizes: list[int]) -> list[list[dict[str, np.ndarray]]]:
+    """Runs of consecutive ids, each run as two blocks (a run is loaded as several)."""
+    out, start = [], 0
+    for size in sizes:
+        ids = np.arange(start, start + size)
+        half = size // 2
+        out.append(
+            [{"id": ids[:half], "x": ids[:half] * 10}, {"id": ids[half:], "x": ids[half:] * 10}]
+        )
+        start += size
+    return out
+
+
+def _epoch(exchange: Exchange, runs: list[list[dict[str, np.ndarray]]]) -> np.ndarray:
+    """The epoch's ids in order, as the actors' map phase and the trainer's reduces give them."""
+    split = [exchange.split(index, blocks) for index, blocks in enumerate(runs)]
+    for counts, pieces in split:
+        assert [len(p.get("id", [])) for p in pieces] == counts
+    parts = [
+        exchange.reduce(part, [pieces[part] for _, pieces in split])
+        for part in range(exchange.partitions)
+    ]
+    ids = concat([p for p in parts if p])["id"]
+    return np.asarray(ids)
+
+
+def test_every_row_once_rows_keep_their_columns_and_the_order_is_seeded() -> None:
+    runs = _runs([50, 0, 33, 70])
+    exchange = Exchange(seed=7, partitions=4)
+    ids = _epoch(exchange, runs)
+    assert sorted(ids.tolist()) == list(range(153))
+    again = _epoch(Exchange(seed=7, partitions=4), runs)
+    assert np.array_equal(ids, again)  # a pure function of the seed
+    assert not np.array_equal(ids, _epoch(Exchange(seed=8, partitions=4), runs))
+    split = [exchange.split(i, blocks) for i, blocks in enumerate(runs)]
+    part = exchange.reduce(1, [pieces[1] for _, pieces in split])
+    assert np.array_equal(part["x"], part["id"] * 10)  # columns stay aligned
+
+
+def test_the_order_is_a_uniform_permutation() -> None:
+    # 4 rows in 2 runs, 3 partitions: every one of the 24 orders should be equally likely.
+    runs = _runs([2, 2])
+    seen = Counter(tuple(_epoch(Exchange(seed, 3), runs).tolist()) for seed in range(12_000))
+    assert set(seen) == set(itertools.permutations(range(4)))
+    expected = 500
+    chi2 = sum((count - expected) ** 2 / expected for count in seen.values())
+    assert chi2 < 50  # 23 degrees of freedom: p < 0.0005 above 50
+
+
+def test_a_run_that_yields_nothing_gives_empty_pieces() -> None:
+    counts, pieces = Exchange(seed=0, partitions=3).split(0, [])
+    assert counts == [0, 0, 0] and pieces == [{}, {}, {}]
+
+
+def test_slices_and_shares_cover_the_epoch_exactly() -> None:
+    counts = [5, 0, 7, 3]
+    assert [(s.part, s.start, s.stop) for s in slices(counts, 0, 15)] == [
+        (0, 0, 5),
+        (2, 0, 7),
+        (3, 0, 3),
+    ]
+    assert [(s.part, s.start, s.stop) for s in slices(counts, 4, 6)] == [(0, 4, 5), (2, 0, 1)]
+    assert slices(counts, 15, 15) == []
+    assert shares(15, 2) == [(0, 7), (7, 14)]  # one row (the last) left out, at most world - 1
+    assert shares(3, 4) == [(0, 0)] * 4
+
+
+class _PiecesAreRefs:
+    """``Calls`` whose references are the pieces themselves (``get`` gives them back)."""
+
+    def __init__(self, slow_first: int = 0) -> None:
+        self.slow = slow_first
+
+    def get(self, ref: Any, timeout: float) -> Any:
+        if self.slow:
+            self.slow -= 1
+            raise ResultTimeout
+        return ref
+
+    def submit(self, actor: Any, method: str, *args: Any) -> Any:
+        raise AssertionError("the producer sends nothing")
+
+    def wait(self, refs: Any, timeout: float) -> list[Any]:
+        raise AssertionError("the producer waits for nothing")
+
+
+def _producer(
+    runs: list[list[dict[str, np.ndarray]]],
+    exchange: Exchange,
+    *,
+    rows: Any = lambda total: (0, total),
+    asked: list[str] | None = None,
+    batch_size: int = 10,
+) -> ExchangeProducer:
+    split = [exchange.split(i, blocks) for i, blocks in enumerate(runs)]
+
+    def phase(between: Any) -> Partitions:
+        between()  # the producer's stop check, callable while the phase waits
+        counts = [sum(c[p] for c, _ in split) for p in range(exchange.partitions)]
+        return Partitions(counts, [[pieces[p] for _, pieces in split] for p in range(len(counts))])
+
+    def start_next() -> bool:
+        if asked is not None:
+            asked.append(threading.current_thread().name)
+        return True
+
+    return ExchangeProducer(
+        map_phase=phase,
+        rows=rows,
+        reduce=exchange.reduce,
+        cut=lambda blocks: rebatch(blocks, batch_size, False),
+        collate=lambda batch: batch["id"].tolist(),
+        prefetch=2,
+        start_next=start_next,
+        description="test",
+        name="raydl-test-exchange",
+        calls=_PiecesAreRefs(slow_first=2),
+    )
+
+
+def test_the_producer_delivers_the_epoch_cut_into_batches_and_starts_the_next_once() -> None:
+    runs = _runs([40, 25, 35])
+    exchange = Exchange(seed=3, partitions=5)
+    asked: list[str] = []
+    batches = list(EpochIterator(_producer(runs, exchange, asked=asked), epoch=0))
+    assert [i for b in batches for i in b] == _epoch(exchange, runs).tolist()
+    assert [len(b) for b in batches] == [10] * 10
+    assert asked == ["raydl-test-exchange"]  # once, on its own thread, after the map phase
+
+
+def test_a_share_and_a_resume_offset_deliver_exactly_those_rows() -> None:
+    runs = _runs([40, 25, 35])
+    exchange = Exchange(seed=3, partitions=5)
+    whole = _epoch(exchange, runs).tolist()
+    mine = _producer(runs, exchange, rows=lambda total: (37, 77))  # rank 1's share, say
+    assert [i for b in EpochIterator(mine, epoch=0) for i in b] == whole[37:77]
+    assert shares(len(whole), 2)[1] == (50, 100)
+
+
+def test_closing_during_the_epoch_stops_the_thread() -> None:
+    producer = _producer(_runs([400, 400]), Exchange(seed=1, partitions=8), batch_size=1)
+    iterator = EpochIterator(producer, epoch=0)
+    next(iterator)
+    iterator.close()
+    producer.handoff._thread.join(5)  # type: ignore[union-attr]
+    assert not producer.handoff._thread.is_alive()  # type: ignore[union-attr]
