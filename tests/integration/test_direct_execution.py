@@ -310,3 +310,85 @@ def test_a_dead_actor_seen_by_two_epochs_is_replaced_once() -> None:
     assert first is second is pool.actors[0]
     ray.get(second.__ray_ready__.remote(), timeout=30)  # alive
     pool.kill()
+
+
+# -- the global shuffle on raydl's actors (exchange.py) -----------------------------
+
+
+def _global(folder: Path, ds: Any = None, **kwargs: Any) -> RayDataLoader:
+    return RayDataLoader(
+        ds if ds is not None else _dataset(folder), batch_size=8, shuffle=True, seed=11, **kwargs
+    )
+
+
+@pytest.mark.timeout(120)
+def test_the_global_shuffle_runs_on_raydls_actors_a_new_uniform_order_each_epoch(
+    folder: Path,
+) -> None:
+    loader = _global(folder)
+    epochs = [_epoch(loader)[0] for _ in range(3)]
+    assert "global shuffle" in _summary(loader) and "raydl actors" in _summary(loader)
+    for ids in epochs:
+        assert sorted(ids) == list(range(FILES))
+    assert len({tuple(ids) for ids in epochs}) == 3
+    # Not a file order plus a buffer: the first batch is drawn from the whole epoch.
+    spread = [max(ids[:8]) - min(ids[:8]) for ids in epochs]
+    assert min(spread) > FILES // 4, spread
+    again = _global(folder)
+    again.set_epoch(1)
+    assert _epoch(again)[0] == epochs[1]  # a pure function of (seed, epoch)
+    for each in (loader, again):
+        each.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_global_epoch_delivers_exactly_the_rest(folder: Path) -> None:
+    whole = _epoch(_global(folder))[0]
+    saved = _global(folder)
+    it = iter(saved)
+    head = [i for _ in range(5) for i in next(it)["id"].tolist()]
+    state = json.loads(json.dumps(saved.state_dict()))
+    assert state["direct_execution"] is True
+    saved.close()
+    resumed = _global(folder)
+    resumed.load_state_dict(state)
+    assert head + _epoch(resumed)[0] == whole
+    plan, direct = resumed._source._plans(0, True)
+    assert direct is not None and direct.exchange is not None
+    # At another world size the rest is rebuilt in rank 0's process, through the same exchange.
+    shares = ray_shares(
+        plan.dataset, LoaderState.from_dict(state), 2, batch_size=8, drop_last=False,
+        buffer=None, buffer_seed=None, direct=direct,
+    )  # fmt: skip
+    assert [i for share in shares for i in share.column("id").to_pylist()] == whole[40:]
+    resumed.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_map_phase_survives_a_killed_actor_and_names_a_failing_stage(
+    folder: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "killed"
+
+    def die_once(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if b"50" in batch["bytes"].tolist() and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        return _parse(batch)
+
+    read = raydl.read_binary_files(str(folder))
+    loader = _global(folder, read.map_batches(die_once, batch_size=4))
+    assert sorted(_epoch(loader)[0]) == list(range(FILES))
+    assert marker.exists(), "the actor was never killed"
+    loader.close()
+
+    def reject_seven(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if b"7" in batch["bytes"].tolist():
+            raise KeyError("file 7 is corrupt")
+        return _parse(batch)
+
+    failing = _global(folder, read.map_batches(reject_seven, batch_size=4))
+    with pytest.raises(KeyError, match="file 7 is corrupt") as info:
+        list(failing)
+    assert "MapBatches(reject_seven)" in str(info.value) and "0007.bin" in str(info.value)
+    failing.close()

@@ -38,6 +38,12 @@ def unequal_files(root: str) -> list[str]:
     return paths
 
 
+def drop_sevens(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A filter whose output size is only known once it ran: drops ids ending in 7."""
+    keep = batch["id"] % 10 != 7
+    return {name: column[keep] for name, column in batch.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--record", required=True)
@@ -47,6 +53,7 @@ def main() -> None:
     parser.add_argument("--shuffle-mode", default="blocks")
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=0)
+    parser.add_argument("--reader", choices=["ray", "raydl"], default="ray")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -54,7 +61,11 @@ def main() -> None:
     raydl.init()
     import ray.data
 
-    ds = ray.data.read_parquet(sorted(os.path.join(args.data, f) for f in os.listdir(args.data)))
+    paths = sorted(os.path.join(args.data, f) for f in os.listdir(args.data))
+    if args.reader == "raydl":  # a plan raydl's own actors run (a read and a filter)
+        ds = raydl.read_parquet(paths).map_batches(drop_sevens, batch_format="numpy")
+    else:
+        ds = ray.data.read_parquet(paths)
     loader = raydl.RayDataLoader(
         ds,
         batch_size=args.batch_size,
@@ -92,7 +103,9 @@ def main() -> None:
                 out.flush()
                 sys.stdout.flush()
                 os._exit(3)
-            out.write(json.dumps({"epoch": epoch, "ids": ids, "batches": batches}) + "\n")
+            summary = str(loader.stats()["epochs"][-1].get("ray_data"))
+            record = {"epoch": epoch, "ids": ids, "batches": batches, "summary": summary}
+            out.write(json.dumps(record) + "\n")
     loader.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -91,6 +91,36 @@ def test_ray_data_split_is_exact_equal_and_reproducible(unequal_data: Path, tmp_
     assert runs[0] == runs[1]
 
 
+@pytest.mark.timeout(420)
+def test_global_shuffle_on_raydls_actors_serves_every_rank(
+    unequal_data: Path, tmp_path: Path
+) -> None:
+    # A raydl read and a filter (output size unknown in advance): every rank on the fast path.
+    runs = []
+    for run in range(2):
+        prefix = tmp_path / f"run{run}"
+        proc = _torchrun(
+            str(SCRIPT), "--record", str(prefix), "--data", str(unequal_data),
+            "--reader", "raydl", "--shuffle-mode", "global", "--epochs", "3", timeout=200,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(_records(prefix))
+    kept = [i for i in range(TOTAL_ROWS) if i % 10 != 7]
+    first = runs[0]
+    for epoch in range(3):
+        per_rank = [first[rank][epoch] for rank in (0, 1)]
+        for rank in (0, 1):
+            summary = per_rank[rank]["summary"]
+            assert "global shuffle" in summary and f"rank {rank} of 2" in summary, summary
+        assert per_rank[0]["batches"] == per_rank[1]["batches"]  # the all-reduces completed
+        assert len(per_rank[0]["ids"]) == len(per_rank[1]["ids"])
+        ids = per_rank[0]["ids"] + per_rank[1]["ids"]
+        assert max(Counter(ids).values()) == 1, "a row was delivered twice"
+        assert set(ids) <= set(kept) and len(kept) - 1 <= len(ids)  # at most world - 1 left out
+    assert len({tuple(first[0][epoch]["ids"]) for epoch in range(3)}) == 3  # new order per epoch
+    assert runs[0] == runs[1]  # the same sequence on every rank on a rerun
+
+
 @pytest.mark.timeout(300)
 def test_ddp_example_with_distributed_sampler_matches_torch_shares(tmp_path: Path) -> None:
     prefix = tmp_path / "ddp"

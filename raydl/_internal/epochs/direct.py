@@ -42,7 +42,8 @@ import numpy as np
 from torch.utils.data import Dataset
 from torch.utils.data._utils import ExceptionWrapper
 
-from raydl._internal.epochs.exchange import Exchange, partition_count
+from raydl._internal.epochs.exchange import Exchange, concat, partition_count
+from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
 from raydl._internal.stream.batching import row_count
@@ -397,3 +398,22 @@ class LocalRuns:
             block = exchange.reduce(part, [run_pieces[part] for run_pieces in pieces])
             if row_count(block):
                 yield block
+
+    def shares(self, world_size: int) -> list[LocalRows]:
+        """The epoch's rows as ``world_size`` ranks had them (``exchange.shares``)."""
+        whole = concat(list(self.iter_batches()))
+        return [
+            LocalRows({name: column[start:stop] for name, column in whole.items()})
+            for start, stop in exchange_shares(row_count(whole), world_size)
+        ]
+
+
+class LocalRows:
+    """One rank's rows of a :class:`LocalRuns` epoch, as a source of one block."""
+
+    def __init__(self, rows: dict[str, np.ndarray]) -> None:
+        self._rows = rows
+
+    def iter_batches(self, **_: Any) -> Iterator[dict[str, np.ndarray]]:
+        if row_count(self._rows):
+            yield self._rows

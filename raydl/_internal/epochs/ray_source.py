@@ -39,6 +39,8 @@ from raydl._internal.epochs.direct import (
 )
 from raydl._internal.epochs.direct import pool_size as direct_pool_size
 from raydl._internal.epochs.elastic import batch_counts
+from raydl._internal.epochs.exchange import shares as exchange_shares
+from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase, start_board, stop_board
 from raydl._internal.epochs.overlap import NextEpoch
 from raydl._internal.epochs.plan import (
     STAGE_RETRIES,
@@ -93,6 +95,8 @@ class RankPlan:
         are_splits: Whether ``parts`` are split iterators.
         buffer: Rows of the local shuffle buffer (splits only).
         buffer_seed: Its seed before the rank's own offset (splits only).
+        board: For a globally shuffled direct epoch (``exchange_ranks.py``): the actor
+            through which rank 0 shares the epoch's map phase; ``parts`` is unused.
     """
 
     epoch: int
@@ -100,6 +104,7 @@ class RankPlan:
     are_splits: bool
     buffer: int | None = None
     buffer_seed: int | None = None
+    board: Any = None
 
 
 class RaySource:
@@ -117,6 +122,7 @@ class RaySource:
         self._next = NextEpoch()  # the next epoch, started early
         self._direct_pool: WorkerPool | None = None  # runs simple file plans (direct.py)
         self._splits: Any = None  # rank 0: the epoch's parts, alive until every rank ended it
+        self._board: Any = None  # several ranks, exchange epochs: rank 0's board (its actor)
 
     # -- what the loader asks -----------------------------------------------------------
 
@@ -190,6 +196,9 @@ class RaySource:
         if pool is not None:
             pool.kill()
         self._retire_splits()
+        board, self._board = self._board, None
+        if board is not None and self._world.rank == 0 and cluster.is_connected():
+            stop_board(board)
 
     # -- one rank -----------------------------------------------------------------------
 
@@ -232,16 +241,7 @@ class RaySource:
         if direct is None:
             direct = options.direct_execution
         plan, simple = self._plans(epoch, direct)
-        start_next = None
-        if options.overlap_epochs:
-            # A weak reference: a producer thread must not keep a dropped loader's
-            # source (and so its early epoch) alive; the loader's close() stops both.
-            source = weakref.ref(self)
-
-            def start_next() -> bool:
-                owner = source()
-                return owner is None or owner._start_early(epoch + 1)
-
+        start_next = self._next_starter(epoch)
         record = EpochRecord(epoch=epoch, direct=simple is not None)
         producer: Producer
         if simple is not None:
@@ -258,6 +258,20 @@ class RaySource:
             )
         return EpochStart(producer, record, skip=skip, length=self._length_or_none(epoch))
 
+    def _next_starter(self, epoch: int) -> Callable[[], bool] | None:
+        """What epoch ``epoch``'s producer calls to start the next epoch early (if allowed)."""
+        if not self._settings.options.overlap_epochs:
+            return None
+        # A weak reference: a producer thread must not keep a dropped loader's
+        # source (and so its early epoch) alive; the loader's close() stops both.
+        source = weakref.ref(self)
+
+        def start_next() -> bool:
+            owner = source()
+            return owner is None or owner._start_early(epoch + 1)
+
+        return start_next
+
     def _start_early(self, epoch: int) -> bool:
         """Start ``epoch`` ahead of its ``iter()``; ``False`` if it is too soon to tell.
 
@@ -270,7 +284,10 @@ class RaySource:
             if self._expected == epoch - 1:
                 return False
             if self._expected == epoch and not self._resume_armed:
-                self._next.start(epoch, lambda: self._single_rank(epoch, skip=0))
+                if self._world.is_distributed:  # only exchange epochs start early there
+                    self._next.start(epoch, lambda: self._rank_exchange(epoch, skip=0))
+                else:
+                    self._next.start(epoch, lambda: self._single_rank(epoch, skip=0))
             return True
 
     def _ray_producer(
@@ -316,14 +333,15 @@ class RaySource:
         work = ray.put(direct.work(plan.dataset.context))
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
+            exchange = direct.exchange
             return self._exchange_producer(
-                direct,
                 lambda between: map_phase(pool, work, direct, between),
+                exchange.reduce,
                 epoch=epoch,
                 skip=skip,
                 start_next=start_next,
                 description=(
-                    f"{names} -> global shuffle ({direct.exchange.partitions} partitions) "
+                    f"{names} -> global shuffle ({exchange.partitions} partitions) "
                     f"on {len(pool)} raydl actors ({len(files)} files)"
                 ),
             )
@@ -357,8 +375,8 @@ class RaySource:
 
     def _exchange_producer(
         self,
-        direct: DirectPlan,
         phase: Callable[[Callable[[], None]], Partitions],
+        reduce: Callable[[int, Any, int, int], Any],
         *,
         epoch: int,
         skip: int,
@@ -369,8 +387,6 @@ class RaySource:
         """A globally shuffled direct epoch: ``phase`` gives its map phase, ``share`` this
         rank's rows of it; the first ``skip`` batches (a resume) are not reduced at all."""
         settings = self._settings
-        exchange = direct.exchange
-        assert exchange is not None
 
         def rows(total: int) -> tuple[int, int]:
             start, stop = share(total)
@@ -388,7 +404,7 @@ class RaySource:
         return ExchangeProducer(
             map_phase=phase,
             rows=rows,
-            reduce=exchange.reduce,
+            reduce=reduce,
             cut=cut,
             collate=settings.collate_fn or numpy_batch_to_tensors,
             prefetch=settings.prefetch,
@@ -433,12 +449,25 @@ class RaySource:
         rank finished the previous epoch, so it can let go of the previous parts.
         """
         world = self._world
-        plan = self._rank0_plan(epoch, resume if elastic else None) if world.rank == 0 else None
+        plan = (
+            self._rank0_plan(epoch, resume, resume if elastic else None)
+            if world.rank == 0
+            else None
+        )
         if world.is_distributed:
             plan = Channel.get(world).broadcast(plan)
         assert plan is not None
         epoch = plan.epoch
         self._retire_splits()
+        if plan.board is not None:
+            self._board = plan.board
+            skip = resume.batches_consumed if resume is not None else 0
+            started = self._next.take(epoch) if skip == 0 else None
+            if started is None:
+                self._next.discard()
+                started = self._rank_exchange(epoch, skip)
+            return started
+        self._next.discard()  # an early exchange epoch, if the plan changed since
         self._splits = plan.parts if world.rank == 0 else None
         record = EpochRecord(epoch=epoch)
         if plan.are_splits:
@@ -464,10 +493,20 @@ class RaySource:
             length = self._length_or_none(epoch)
         return EpochStart(producer, record, skip=skip, length=length, on_exhausted=on_exhausted)
 
-    def _rank0_plan(self, epoch: int, elastic: LoaderState | None) -> RankPlan:
+    def _rank0_plan(
+        self, epoch: int, resume: LoaderState | None, elastic: LoaderState | None
+    ) -> RankPlan:
         """Rank 0's plan of the epoch for every rank (see :class:`RankPlan`)."""
         world, settings = self._world, self._settings
         if elastic is None:
+            # A resumed epoch runs the way it was saved (its order depends on it).
+            run_direct = self._settings.options.direct_execution
+            if resume is not None:
+                run_direct = resume.direct_execution is True
+            if run_direct and self._is_exchange(epoch):
+                if self._board is None:
+                    self._board = start_board(world.world_size)
+                return RankPlan(epoch, None, are_splits=False, board=self._board)
             plan = self._epoch_plan(epoch)
             splits = plan.dataset.streaming_split(world.world_size, equal=True)
             return RankPlan(
@@ -494,6 +533,53 @@ class RaySource:
 
             shares = ray.remote(num_cpus=0)(ShareHolder).remote(shares)
         return RankPlan(epoch, shares, are_splits=False)
+
+    def _is_exchange(self, epoch: int) -> bool:
+        """Whether ``epoch`` runs as a global shuffle on raydl's actors (rank 0 decides)."""
+        if self._next.epoch == epoch:
+            return True  # only exchange epochs start early under several ranks
+        direct = self._plans(epoch, True)[1]
+        return direct is not None and direct.exchange is not None
+
+    def _rank_exchange(self, epoch: int, skip: int) -> EpochStart:
+        """This rank's share of a globally shuffled direct epoch (``exchange_ranks.py``).
+
+        Rank 0 runs the map phase on the actors and posts it on the board; every
+        rank reduces its own contiguous share. Raises ``RuntimeError`` on rank 0 when
+        the epoch's plan is not one (an early start of it then does not happen).
+        """
+        import ray
+
+        world = self._world
+        board = self._board
+        assert board is not None, "the board comes with the first exchange epoch's plan"
+        phase: RankZeroPhase | BoardPhase
+        if world.rank == 0:
+            plan, direct = self._plans(epoch, True)
+            if direct is None or direct.exchange is None:
+                raise RuntimeError(f"epoch {epoch} is not a global shuffle on raydl's actors")
+            pool = self._pool_for(direct, plan)
+            work = ray.put(direct.work(plan.dataset.context))
+            phase = RankZeroPhase(pool, work, direct, board, epoch)
+            description = (
+                f"{' -> '.join(direct.names)} -> global shuffle "
+                f"({direct.exchange.partitions} partitions) on {len(pool)} raydl actors, "
+                f"rank 0 of {world.world_size}"
+            )
+        else:
+            phase = BoardPhase(board, epoch, world.rank)
+            description = f"global shuffle on raydl actors, rank {world.rank} of {world.world_size}"
+        producer = self._exchange_producer(
+            phase,
+            phase.reduce,
+            epoch=epoch,
+            skip=skip,
+            start_next=self._next_starter(epoch),
+            description=description,
+            share=lambda total: exchange_shares(total, world.world_size)[world.rank],
+        )
+        record = EpochRecord(epoch=epoch, direct=True)
+        return EpochStart(producer, record, skip=skip, length=self._length_or_none(epoch))
 
     def _elastic_share(self, shares: Any) -> tuple[Any, int]:
         """This rank's dataset of the rest of an elastic epoch, and its batch count."""

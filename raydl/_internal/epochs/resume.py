@@ -123,18 +123,21 @@ def ray_shares(
 ) -> list[pa.Table]:
     """Per new rank: its rows of the rest of the epoch, as a table.
 
-    ``direct``: the epoch ran on raydl's own actors as this plan (``direct.py``; one
-    rank only), so its stream is rebuilt the same way: the same runs (and exchange),
-    loaded here.
+    ``direct``: the epoch ran on raydl's own actors as this plan (``direct.py``), so
+    its streams are rebuilt the same way: the same runs (and exchange), loaded here.
     """
     import pyarrow as pa
 
     segments = state.segments
     old_world, consumed = segments[0]
-    if old_world == 1:
-        # One rank ran the epoch on raydl's actors when its plan was simple enough.
-        local = LocalRuns(direct, plan_dataset.context) if direct is not None else None
-        streams: Sequence[Any] = [local or plan_dataset]
+    streams: Sequence[Any]
+    if direct is not None:
+        # The epoch ran on raydl's actors: its runs are loaded again here, and with
+        # several ranks (a global shuffle) dealt into the shares the ranks had.
+        local = LocalRuns(direct, plan_dataset.context)
+        streams = [local] if old_world == 1 else local.shares(old_world)
+    elif old_world == 1:
+        streams = [plan_dataset]
     else:
         streams = plan_dataset.streaming_split(old_world, equal=True)
     tables = _rest_of_streams(streams, consumed, batch_size, drop_last, buffer, buffer_seed)
