@@ -329,6 +329,9 @@ class RayDataLoader(Iterable[Any]):
             order=now.order if now is not None else None,
             worker_seed=self._worker_seed(),
             direct_execution=(record is not None and record.direct) if self._kind == RAY else None,
+            fingerprint=iterator.stats.fingerprint or None
+            if running and iterator is not None
+            else None,
         )
         return state.to_dict()
 
@@ -445,6 +448,13 @@ class RayDataLoader(Iterable[Any]):
             on_exhausted=started.on_exhausted,
         )
         iterator.log_summary = self.options.log_stats
+        if (
+            resume is not None
+            and resume.batches_consumed
+            and not resume.needs_elastic(self._world.world_size)
+        ):
+            # The resumed epoch's fingerprint goes on from the batches before the save.
+            iterator.stats.fingerprint = resume.fingerprint or ""
         if self.options.progress_bar:
             iterator.progress = _progress_bar(started.length, record.epoch)
         self._stats.append(iterator.stats)

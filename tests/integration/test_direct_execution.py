@@ -343,7 +343,10 @@ def test_the_global_shuffle_runs_on_raydls_actors_a_new_uniform_order_each_epoch
 
 @pytest.mark.timeout(120)
 def test_a_resumed_global_epoch_delivers_exactly_the_rest(folder: Path) -> None:
-    whole = _epoch(_global(folder))[0]
+    uninterrupted = _global(folder)
+    whole = _epoch(uninterrupted)[0]
+    fingerprint = uninterrupted.stats()["epochs"][0]["fingerprint"]
+    uninterrupted.close()
     saved = _global(folder)
     it = iter(saved)
     head = [i for _ in range(5) for i in next(it)["id"].tolist()]
@@ -353,6 +356,8 @@ def test_a_resumed_global_epoch_delivers_exactly_the_rest(folder: Path) -> None:
     resumed = _global(folder)
     resumed.load_state_dict(state)
     assert head + _epoch(resumed)[0] == whole
+    # The fingerprint goes on from the saved one: the same as the uninterrupted epoch's.
+    assert resumed.stats()["epochs"][0]["fingerprint"] == fingerprint
     plan, direct = resumed._source._plans(0, True)
     assert direct is not None and direct.exchange is not None
     # At another world size the rest is rebuilt in rank 0's process, through the same exchange.

@@ -103,8 +103,14 @@ def main() -> None:
                 out.flush()
                 sys.stdout.flush()
                 os._exit(3)
-            summary = str(loader.stats()["epochs"][-1].get("ray_data"))
-            record = {"epoch": epoch, "ids": ids, "batches": batches, "summary": summary}
+            stats = loader.stats()["epochs"][-1]
+            record = {
+                "epoch": epoch,
+                "ids": ids,
+                "batches": batches,
+                "summary": str(stats["ray_data"]),
+                "fingerprint": stats["fingerprint"],
+            }
             out.write(json.dumps(record) + "\n")
     loader.close()
     dist.barrier()

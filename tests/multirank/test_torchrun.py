@@ -124,6 +124,9 @@ def test_global_shuffle_on_raydls_actors_serves_every_rank(
         assert set(ids) <= set(kept) and len(kept) - 1 <= len(ids)  # at most world - 1 left out
     assert len({tuple(first[0][epoch]["ids"]) for epoch in range(3)}) == 3  # new order per epoch
     assert _orders(runs[0]) == _orders(runs[1])  # the same sequence on every rank on a rerun
+    # ... which stats()' fingerprints tell without the ids: equal on a rerun, new per epoch.
+    prints = [[[e["fingerprint"] for e in run[rank]] for rank in (0, 1)] for run in runs]
+    assert prints[0] == prints[1] and len({p for rank in prints[0] for p in rank}) == 6
 
 
 @pytest.mark.timeout(300)

@@ -165,3 +165,27 @@ def test_closing_during_the_epoch_stops_the_thread() -> None:
     iterator.close()
     producer.handoff._thread.join(5)  # type: ignore[union-attr]
     assert not producer.handoff._thread.is_alive()  # type: ignore[union-attr]
+
+
+# -- the order's fingerprint (stats()) ----------------------------------------------
+
+
+def test_the_fingerprint_follows_the_order_of_batches_and_of_rows() -> None:
+    import torch
+
+    from raydl._internal.stream.metrics import fingerprint_step
+
+    def run(batches: list[Any]) -> str:
+        fingerprint = ""
+        for batch in batches:
+            fingerprint = fingerprint_step(fingerprint, batch)
+        return fingerprint
+
+    a = {"id": torch.arange(0, 64), "x": torch.rand(64, 3)}
+    b = {"id": torch.arange(64, 128), "x": torch.rand(64, 3)}
+    assert run([a, b]) == run([dict(a), dict(b)])  # values, not identities
+    assert run([a, b]) != run([b, a])  # batch order
+    swapped = {"id": a["id"].flip(0), "x": a["x"]}
+    assert run([swapped]) != run([a])  # row order (the sampled rows include the first and last)
+    assert run([np.array(["u", "v"], dtype=object)]) != run([np.array(["v", "u"], dtype=object)])
+    assert run([(torch.zeros(2, 3, 4, 4), 1)]) != run([(torch.zeros(2, 3, 4, 5), 1)])  # shapes

@@ -29,6 +29,8 @@ Schema (``version`` 2)::
                                              # raydl's actors (its blocks, and so the local
                                              # buffer's order, differ from Ray Data's); a
                                              # resume runs it the same way. null: Ray Data
+      "fingerprint": str | null              # of the batches this rank consumed in the
+                                             # epoch (stats()' fingerprint; optional)
     }
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
@@ -78,6 +80,7 @@ class LoaderState:
     order: dict[str, Any] | None = None
     worker_seed: int | None = None
     direct_execution: bool | None = None
+    fingerprint: str | None = None
     version: int = STATE_VERSION
 
     @property
