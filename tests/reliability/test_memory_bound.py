@@ -146,3 +146,44 @@ def test_map_style_epoch_five_times_the_object_store_stays_bounded() -> None:
         loader.close()
     assert seen == list(range(samples))
     _check(sampler)
+
+
+def _blob_rows(batch: dict[str, Any]) -> dict[str, Any]:
+    """Binary files -> (id, 1 MiB of uint8) rows; a file's first 8 bytes are its id."""
+    import numpy as np
+
+    data = np.stack([np.frombuffer(b, dtype=np.uint8) for b in batch["bytes"]])
+    return {"id": data[:, :8].copy().view(np.int64)[:, 0], "data": data}
+
+
+@pytest.mark.timeout(240)
+def test_global_shuffle_of_an_epoch_past_the_object_store_spills_and_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    # The exchange keeps a whole epoch in the object store (its map phase must end before
+    # the first batch): past the store, Ray spills it; the store and the trainer stay bounded.
+    import numpy as np
+
+    import raydl
+
+    files = 250  # 2.5x the object store, 1 MiB each
+    for i in range(files):
+        body = np.random.default_rng(i).integers(0, 255, MIB - 8, dtype=np.uint8).tobytes()
+        (tmp_path / f"{i:04d}.bin").write_bytes(np.int64(i).tobytes() + body)
+    ds = raydl.read_binary_files(str(tmp_path)).map_batches(_blob_rows, batch_format="numpy")
+    loader = RayDataLoader(ds, batch_size=10, shuffle=True, seed=0)
+    seen = []
+    with MemorySampler() as sampler:
+        for batch in loader:
+            seen.extend(batch["id"].tolist())
+            time.sleep(0.02)  # the training step
+        summary = str(loader.stats()["epochs"][-1]["ray_data"])
+        loader.close()
+    assert "global shuffle" in summary, summary  # it ran on raydl's actors
+    assert sorted(seen) == list(range(files)) and seen != sorted(seen)
+    report = sampler.report()
+    print(report)  # for docs/design.md
+    assert sampler.samples >= 3, report
+    assert sampler.pinned <= CAP, report
+    assert max(sampler.spilled, sampler.spill_files) >= CAP // 2, report  # Ray spilled it
+    assert sampler.private - sampler.private_before <= CAP, report

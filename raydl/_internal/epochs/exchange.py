@@ -90,11 +90,32 @@ class Exchange:
     ) -> Batch:
         """Rows ``start:stop`` of partition ``part`` in the epoch's order.
 
-        ``pieces``: the partition's piece of every run, in run order.
+        ``pieces``: the partition's piece of every run, in run order. The rows are
+        gathered from the pieces straight into the result (one copy, no concatenation
+        first); each column takes the dtype the pieces' columns would concatenate to.
         """
-        rows = concat(pieces)
-        order = self.permutation(part, row_count(rows))[start:stop]
-        return {name: column[order] for name, column in rows.items()}
+        pieces = [piece for piece in pieces if row_count(piece)]
+        sizes = [row_count(piece) for piece in pieces]
+        order = self.permutation(part, sum(sizes))[start:stop]
+        if not pieces:
+            return {}
+        if len(pieces) == 1:
+            return {name: column[order] for name, column in pieces[0].items()}
+        offsets = np.cumsum([0, *sizes])
+        source = np.searchsorted(offsets, order, side="right") - 1  # which piece, per row
+        local = order - offsets[source]  # where in it
+        picks = [
+            (dest, local[dest])
+            for dest in (np.flatnonzero(source == j) for j in range(len(pieces)))
+        ]
+        out: Batch = {}
+        for name, first in pieces[0].items():
+            columns = [piece[name] for piece in pieces]
+            column = np.empty((len(order), *first.shape[1:]), dtype=np.result_type(*columns))
+            for (dest, rows), values in zip(picks, columns, strict=True):
+                column[dest] = values[rows]
+            out[name] = column
+        return out
 
 
 def concat(blocks: Sequence[Batch]) -> Batch:
