@@ -49,6 +49,8 @@ from raydl._internal.ray_compat import batches, plans
 from raydl._internal.stream.batching import row_count
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, SplitCalls
 from raydl._internal.stream.exchange_producer import Partitions
+from raydl._internal.workers.pool import WorkerPool
+from raydl._internal.workers.worker import WorkerSpec
 
 #: Files per run (one actor request), at most: the unit of work, retry and the first batch's wait.
 FILES_PER_RUN = 512
@@ -193,6 +195,27 @@ def pool_size(plan: DirectPlan, cluster_cpus: float, context: Any) -> int:
     cpus = min(cluster_cpus, options.resource_limits.cpu) - options.exclude_resources.cpu
     size = max(1, int(cpus // plan.num_cpus))
     return min(size, plan.concurrency) if plan.concurrency else size
+
+
+def start_pool(plan: DirectPlan, context: Any, seed: int) -> WorkerPool:
+    """The actors that run direct epochs: as many as :func:`pool_size` says, seeded from ``seed``.
+
+    They hold no CPUs: like torch's worker processes they compete for the machine, and
+    other Ray work (a ``len()`` that must count rows) is never locked out. They are
+    spread over the nodes.
+    """
+    import ray
+
+    size = pool_size(plan, ray.cluster_resources().get("CPU", 1.0), context)
+    spec = WorkerSpec(
+        num_workers=size,
+        collate_fn=None,
+        auto_collation=False,
+        worker_init_fn=None,
+        base_seed=seed,
+    )
+    options = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
+    return WorkerPool(RunLoader(), spec, restartable=True, options=options)
 
 
 def runs(files: Sequence[tuple[str, int | None]]) -> list[tuple[str, ...]]:

@@ -98,7 +98,7 @@ class RankZeroPhase:
     """Rank 0's map phase of ``epoch``: run on the actors, then posted on the board."""
 
     def __init__(self, pool: Pool, work: Any, plan: DirectPlan, board: Any, epoch: int) -> None:
-        self._pool, self._work, self._plan = pool, work, plan
+        self._pool, self._work, self._direct = pool, work, plan
         self._board, self._epoch = board, epoch
         assert plan.exchange is not None
         self.exchange: Exchange = plan.exchange
@@ -106,7 +106,7 @@ class RankZeroPhase:
     def __call__(self, between: Callable[[], None]) -> Partitions:
         import ray
 
-        partitions = map_phase(self._pool, self._work, self._plan, between)
+        partitions = map_phase(self._pool, self._work, self._direct, between)
         # Awaited, so that no rank can ask for the epoch before it is there to wait for.
         ref = self._board.post.remote(
             self._epoch, self.exchange, partitions.counts, list(partitions.pieces)

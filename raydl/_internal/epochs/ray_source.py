@@ -21,6 +21,7 @@ epoch only if it is the one the next ``iter()`` will run and no resume is armed
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -31,13 +32,12 @@ from raydl._internal.epochs.direct import (
     WINDOW_BYTES,
     DirectPlan,
     LoadRun,
-    RunLoader,
     describe_run,
     direct_plan,
     loaded_bytes,
     map_phase,
+    start_pool,
 )
-from raydl._internal.epochs.direct import pool_size as direct_pool_size
 from raydl._internal.epochs.elastic import batch_counts
 from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase, start_board, stop_board
@@ -63,7 +63,6 @@ from raydl._internal.stream.pool_producers import DirectProducer
 from raydl._internal.stream.ray_producer import RayDataProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
 from raydl._internal.workers.pool import WorkerPool
-from raydl._internal.workers.worker import WorkerSpec
 from raydl.options import LoaderOptions
 from raydl.pipelines import PerEpoch
 
@@ -345,24 +344,13 @@ class RaySource:
                     f"on {len(pool)} raydl actors ({len(files)} files)"
                 ),
             )
-        buffer, buffer_seed = plan.local_shuffle_buffer_size, plan.local_shuffle_seed
-
-        def cut(blocks: Any) -> Any:
-            return cut_batches(
-                blocks,
-                batch_size=settings.batch_size,
-                drop_last=settings.drop_last,
-                buffer=buffer,
-                seed=buffer_seed,
-            )
-
         return DirectProducer(
             pool,
             # Nested in a list, the reference reaches the actors unresolved (they keep it).
             [([work], LoadRun(tuple(run))) for run in direct.runs()],
             window=settings.prefetch * len(pool),
             prefetch=settings.prefetch,
-            cut=cut,
+            cut=self._cut(plan.local_shuffle_buffer_size, plan.local_shuffle_seed),
             collate=collate,
             skip=skip,
             start_next=start_next,
@@ -392,20 +380,11 @@ class RaySource:
             start, stop = share(total)
             return min(stop, start + skip * settings.batch_size), stop
 
-        def cut(blocks: Any) -> Any:
-            return cut_batches(
-                blocks,
-                batch_size=settings.batch_size,
-                drop_last=settings.drop_last,
-                buffer=None,
-                seed=None,
-            )
-
         return ExchangeProducer(
             map_phase=phase,
             rows=rows,
             reduce=reduce,
-            cut=cut,
+            cut=self._cut(None, None),  # contiguous batches: a resume skips rows, not batches
             collate=settings.collate_fn or numpy_batch_to_tensors,
             prefetch=settings.prefetch,
             start_next=start_next,
@@ -413,29 +392,24 @@ class RaySource:
             name=f"raydl-epoch-{epoch}-exchange",
         )
 
+    def _cut(self, buffer: int | None, seed: int | None) -> Callable[[Any], Any]:
+        """Blocks -> this loader's batches (through a local shuffle buffer if ``buffer``)."""
+        settings = self._settings
+        return functools.partial(
+            cut_batches,
+            batch_size=settings.batch_size,
+            drop_last=settings.drop_last,
+            buffer=buffer,
+            seed=seed,
+        )
+
     def _pool_for(self, direct: DirectPlan, plan: EpochPlan) -> WorkerPool:
         """The actors that run direct plans (started at the first direct epoch)."""
-        import ray
-
-        pool = self._direct_pool
-        if pool is None:
+        if self._direct_pool is None:
             # Sized once: an epoch started early shares it with the current one, so it is
             # never replaced while the loader lives (close() drops it).
-            cpus = ray.cluster_resources().get("CPU", 1.0)
-            size = direct_pool_size(direct, cpus, plan.dataset.context)
-            # No CPUs held: like torch's worker processes they compete for the machine,
-            # and other Ray work (a len() that must count rows) is never locked out.
-            spec = WorkerSpec(
-                num_workers=size,
-                collate_fn=None,
-                auto_collation=False,
-                worker_init_fn=None,
-                base_seed=self._settings.seed,
-            )
-            options = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
-            pool = self._direct_pool = WorkerPool(
-                RunLoader(), spec, restartable=True, options=options
-            )
+            self._direct_pool = start_pool(direct, plan.dataset.context, self._settings.seed)
+        pool = self._direct_pool
         return pool
 
     # -- several ranks ------------------------------------------------------------------
