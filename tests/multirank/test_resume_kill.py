@@ -131,6 +131,8 @@ def test_sigkill_then_resume_delivers_each_sample_once(
     saved = [json.loads((ckpt / f"rank{r}.json").read_text()) for r in range(old)]
     assert all(s["epoch"] == 0 and len(s["ids"]) > 0 for s in saved), where
     assert {s["state"]["batches_consumed"] for s in saved} == {kill_after - 1}, where
+    if source == "parquet":  # a raydl read + map_batches: the global shuffle on raydl's actors
+        assert all(s["state"]["direct_execution"] is True for s in saved), where
 
     resumed = _run(cluster_env, new, *common, "--resume", "--out", str(ckpt / "resumed"))
     assert resumed.returncode == 0, f"{where}\n{resumed.stderr[-3000:]}"
