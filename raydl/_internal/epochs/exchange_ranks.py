@@ -82,7 +82,8 @@ def start_board(world_size: int) -> Any:
     """A new :class:`Board` actor for ``world_size`` ranks (rank 0 owns it)."""
     import ray
 
-    actor = ray.remote(Board).options(num_cpus=0, max_concurrency=world_size + 2)
+    # Each other rank may wait in two fetches (its epoch and the next); rank 0 posts.
+    actor = ray.remote(Board).options(num_cpus=0, max_concurrency=2 * world_size + 2)
     return actor.remote(world_size)
 
 
