@@ -37,9 +37,17 @@ rate: the second of two epochs at that demand, the step's time measured) and
 Writes ``OUT/results.json``, ``OUT/results.png``, ``OUT/runs.json`` (every
 subprocess's raw measurements) and ``OUT/logs/``; prints a markdown table.
 
+With ``--ranks N [N ...]`` (tabular only) the contenders ``torch``, ``raydl`` and
+``raydl_global`` instead run under ``torchrun`` with N ranks, a DDP-like ``all_reduce`` per
+step; the table shows all ranks' samples/s over the slowest rank's epoch, vs torch at the
+same N and vs the contender's own 1-rank figure (``vs_torch.ranks`` says how)::
+
+    python benchmarks/bench_vs_torch.py --quick --workloads tabular --ranks 1 2 --out /tmp/bench_ranks2
+
 The code lives in the ``vs_torch`` package next to this script: ``vs_torch.workloads``
 (data generation and datasets), ``vs_torch.contenders`` (the registry: to add a contender,
-add one class there), ``vs_torch.measurement``, ``vs_torch.report`` and ``vs_torch.cli``.
+add one class there), ``vs_torch.measurement``, ``vs_torch.ranks`` (``--ranks``),
+``vs_torch.report`` and ``vs_torch.cli``.
 """
 
 from __future__ import annotations

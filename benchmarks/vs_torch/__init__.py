@@ -9,6 +9,7 @@ Modules:
 * ``measurement``: a worker's timing, stall probe, memory, time to first batch and
   exactly-once checks; the rounds folded into the published metrics.
 * ``report``: ``results.json``, ``runs.json``, the markdown table, ``results.png``.
+* ``ranks``: ``--ranks``: the tabular contenders under ``torchrun``, checks, aggregates.
 * ``cli``: the command line, the parent's rounds of worker subprocesses.
 
 Ray's workers import this package by name (the parent puts ``benchmarks/`` on their

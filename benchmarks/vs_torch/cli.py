@@ -4,13 +4,15 @@ The parent generates the data, then runs every contender in a fresh interpreter
 (``bench_vs_torch.py --worker CONTENDER WORKLOAD --config JSON``), which prints one
 ``RESULT_PREFIX`` line of JSON. Round 1 runs the contenders in registry order, round 2
 in reverse; round 2 adds the stall epochs, at demands relative to round 1's ``limit``.
+
+With ``--ranks N ...`` the parent instead launches ``torchrun`` per contender and rank
+count, and every rank runs ``bench_vs_torch.py --rank-worker`` (see ``ranks``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -21,16 +23,23 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from .config import FULL, NUM_CPUS, QUICK, RESULT_PREFIX, WorkerConfig
+from .config import (
+    BENCH_DIR,
+    FULL,
+    NUM_CPUS,
+    QUICK,
+    RESULT_PREFIX,
+    SCRIPT,
+    WorkerConfig,
+    worker_env,
+)
 from .contenders import contenders_for
 from .measurement import run_worker, summarise
+from .ranks import RANK_WORKLOADS, main_rank, main_ranks
 from .report import chart, machine, markdown, metadata, versions, write_json
 from .workloads import calibrate_mapstyle, default_workloads, generate
 
-#: The folder that holds the entry script and this package: on the workers' PYTHONPATH,
-#: so that Ray's workers import this package's functions by reference.
-BENCH_DIR = Path(__file__).resolve().parents[1]
-SCRIPT = BENCH_DIR / "bench_vs_torch.py"
+__all__ = ["BENCH_DIR", "SCRIPT", "main", "main_parent", "main_worker", "parse_args"]
 
 
 def spawn_worker(
@@ -57,10 +66,7 @@ def spawn_worker(
         "--config",
         json.dumps(asdict(cfg)),
     ]
-    env = dict(os.environ, RAY_AUTH_MODE="token")
-    env.pop("RAY_ADDRESS", None)
-    here = str(BENCH_DIR)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    env = worker_env()
     start = time.perf_counter()
     with log.open("w") as err:
         try:
@@ -154,16 +160,40 @@ def main_parent(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.ranks:
+        workloads = args.workloads or list(RANK_WORKLOADS)
+        unsupported = sorted(set(workloads) - set(RANK_WORKLOADS))
+        if unsupported or min(args.ranks) < 1:
+            print(
+                f"--ranks runs the workloads {', '.join(RANK_WORKLOADS)} with at least 1 rank, "
+                f"got --workloads {' '.join(workloads)} --ranks "
+                f"{' '.join(map(str, args.ranks))}: drop the others",
+                file=sys.stderr,
+            )
+            return 2
+    else:
+        workloads = args.workloads or default_workloads(args.quick, args.latency)
     info = versions()
     print(f"command: {command}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-    workloads = args.workloads or default_workloads(args.quick, args.latency)
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     data_dir = Path(args.data_dir) if args.data_dir else out / "data"
     start = time.perf_counter()
     generate(data_dir, sizes, workloads)
     print(f"data: generated in {time.perf_counter() - start:.1f} s under {data_dir}")
+    if args.ranks:
+        base = WorkerConfig(data_dir=str(data_dir), sizes=sizes, epochs=args.epochs)
+        return main_ranks(
+            args,
+            base,
+            workloads=workloads,
+            out=out,
+            command=command,
+            versions_info=info,
+            mode=mode,
+            start=start,
+        )
     reps = calibrate_mapstyle() if "mapstyle" in workloads else 0
     base = WorkerConfig(
         data_dir=str(data_dir),
@@ -247,6 +277,17 @@ def parse_args(
     parser.add_argument("--workloads", nargs="+", help="run only these workloads")
     parser.add_argument("--contenders", nargs="+", help="run only these contenders")
     parser.add_argument(
+        "--ranks",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="run the tabular workload under torchrun with N ranks each (e.g. 1 2)",
+    )
+    parser.add_argument(
+        "--rank-worker", nargs=2, metavar=("CONTENDER", "WORKLOAD"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--record", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--worker", nargs=2, metavar=("CONTENDER", "WORKLOAD"), help=argparse.SUPPRESS
     )
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -266,4 +307,9 @@ def main(argv: Sequence[str] | None = None, description: str | None = None) -> i
     args = parse_args(argv, description)
     if args.worker:
         return main_worker(args)
+    if args.rank_worker:
+        name, workload = args.rank_worker
+        return main_rank(
+            name, workload, WorkerConfig.from_json(json.loads(args.config)), args.record
+        )
     return main_parent(args)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,6 +12,11 @@ import numpy as np
 SEED = 1234
 NUM_CPUS = 2
 RESULT_PREFIX = "@@bench-result "
+
+#: The folder that holds the entry script and this package: on the workers' PYTHONPATH,
+#: so that Ray's workers import this package's functions by reference.
+BENCH_DIR = Path(__file__).resolve().parents[1]
+SCRIPT = BENCH_DIR / "bench_vs_torch.py"
 
 Batch = Any  # dict[str, Tensor] or a (tensor, ids) tuple, whatever the loader yields
 
@@ -114,3 +121,19 @@ def epoch_seed(epoch: int, stream: int = 0) -> int:
         The seed.
     """
     return int(np.random.SeedSequence([SEED, epoch, stream]).generate_state(1)[0] >> 1)
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker subprocess (or of ``torchrun`` and its ranks).
+
+    Ray token authentication on, no inherited ``RAY_ADDRESS`` (every run starts its own
+    Ray), and ``BENCH_DIR`` first on ``PYTHONPATH``.
+
+    Returns:
+        The environment.
+    """
+    env = dict(os.environ, RAY_AUTH_MODE="token")
+    env.pop("RAY_ADDRESS", None)
+    here = str(BENCH_DIR)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env

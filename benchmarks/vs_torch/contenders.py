@@ -4,6 +4,10 @@ A contender builds a ``Loader`` for each kind of workload (``tabular``, ``images
 ``mapstyle``). Every contender gets the same CPU budget, ``NUM_CPUS``: torch
 ``num_workers``, Ray ``num_cpus``. To add a contender, write a ``Contender`` subclass
 and add an instance to ``REGISTRY``; its position there is its place in the run order.
+
+Under ``torch.distributed`` (``bench_vs_torch.py --ranks``: one process per rank) the
+budget is the node's, shared by its ranks: torch ``num_workers=NUM_CPUS // world_size``
+per rank, one Ray instance of ``num_cpus=NUM_CPUS`` that rank 0 starts and every rank joins.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
@@ -89,22 +94,54 @@ class TorchLoader(Loader):
             close()
 
 
+def world() -> tuple[int, int]:
+    """This process's rank and the world size: the process group's, else a single process.
+
+    Returns:
+        ``(rank, world_size)``.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def start_ray() -> None:
-    """Start a local Ray limited to NUM_CPUS, quiet, the same way for ``ray`` and ``raydl``."""
+    """Start a local Ray limited to NUM_CPUS, quiet, the same way for ``ray`` and ``raydl``.
+
+    Under ``torch.distributed`` this is a collective call (``raydl.init``): rank 0 starts
+    the instance, the other ranks join it.
+    """
     import ray
     from ray.data import DataContext
 
-    # address="local": always a fresh instance of our own, never another user's cluster.
-    ray.init(
-        address="local",
-        num_cpus=NUM_CPUS,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    )
+    if dist.is_available() and dist.is_initialized():
+        import raydl
+
+        raydl.init(num_cpus=NUM_CPUS)
+    else:
+        # address="local": always a fresh instance of our own, never another user's cluster.
+        ray.init(
+            address="local",
+            num_cpus=NUM_CPUS,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.ERROR)
+
+
+def tabular_workers(world_size: int) -> int:
+    """The torch contender's ``num_workers`` per rank: its share of the node's ``NUM_CPUS``.
+
+    Args:
+        world_size: How many ranks share the node.
+
+    Returns:
+        The worker count (at least 1).
+    """
+    return max(1, NUM_CPUS // world_size)
 
 
 def map_style_args(batch_size: int) -> dict[str, Any]:
@@ -134,6 +171,8 @@ class Contender:
     workloads: ClassVar[frozenset[str] | None] = None
     #: Start a local Ray (``start_ray``) before building a loader.
     uses_ray: ClassVar[bool] = False
+    #: Runs one loader per rank under ``torch.distributed`` (``--ranks``; tabular only).
+    multirank: ClassVar[bool] = False
     #: Its bars' colour in ``results.png`` (a matplotlib colour).
     colour: ClassVar[str] = "tab:purple"
 
@@ -253,10 +292,19 @@ class Torch(Contender):
 
     name = "torch"
     colour = "tab:orange"
+    multirank = True
 
     def tabular(self, data: TabularData) -> Loader:
-        stream = ParquetStream(data.files, data.spam)
-        loader = DataLoader(stream, batch_size=None, num_workers=NUM_CPUS, persistent_workers=True)
+        # Under torch.distributed each rank reads its share of the files, as a
+        # DistributedSampler would, with its share of the node's CPUs.
+        rank, world_size = world()
+        stream = ParquetStream(data.files, data.spam, rank=rank, world_size=world_size)
+        loader = DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=tabular_workers(world_size),
+            persistent_workers=True,
+        )
         return TorchLoader(loader, before_epoch=stream.set_epoch)
 
     def images(self, data: ImageData) -> Loader:
@@ -333,6 +381,7 @@ class RayDL(Contender):
     name = "raydl"
     colour = "tab:blue"
     uses_ray = True
+    multirank = True  # the loader splits every epoch across the ranks itself
     #: The tabular workload's ``shuffle_mode``.
     tabular_shuffle_mode: ClassVar[str] = "files"
 

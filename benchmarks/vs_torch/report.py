@@ -1,4 +1,7 @@
-"""The run's outputs: ``results.json`` and ``runs.json``, the markdown table, ``results.png``."""
+"""The run's outputs: ``results.json`` and ``runs.json``, the markdown table, ``results.png``.
+
+With ``--ranks``: ``markdown_ranks`` and ``chart_ranks`` over ``RankResults``.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from .contenders import REGISTRY
 
 #: workload -> contender -> the metrics ``measurement.summarise`` publishes.
 Results = dict[str, dict[str, dict[str, Any]]]
+#: workload -> contender -> rank count (a string: a JSON key) -> ``ranks.summarise_ranks``.
+RankResults = dict[str, dict[str, dict[str, dict[str, Any]]]]
 
 
 def versions() -> dict[str, str]:
@@ -229,6 +234,93 @@ def chart(results: Results, path: Path, title: str) -> None:
         ax.set_ylabel("samples/s")
         ax.tick_params(axis="x", labelrotation=30)
     fig.suptitle(f"{title} (labels: ratio vs torch)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown_ranks(results: RankResults) -> str:
+    """The ``--ranks`` results as a markdown table, one row per contender and rank count.
+
+    ``vs torch`` compares with torch at the same rank count, ``vs own x1`` with the same
+    contender's 1-rank figure (when 1 was run). ``batches/rank``: the batches each rank
+    stepped on in the first warm epoch, ``/`` the batches its shard held when that differs
+    (torch: every rank stops at the shortest rank's count).
+
+    Args:
+        results: The published ``--ranks`` figures.
+
+    Returns:
+        The table.
+    """
+
+    def fmt(v: Any, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    lines = [
+        "| workload | contender | ranks | samples/s (all ranks) | vs torch | vs own x1 "
+        "| slowest rank epoch s | ttfb cold s | ttfb warm s | batches/rank "
+        "| max missing ids/epoch | exactly once |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|:---:|",
+    ]
+    for workload, by_name in results.items():
+        for name, per_n in by_name.items():
+            for n, m in per_n.items():
+                rate = m["samples_per_s"]
+                torch_rate = by_name.get("torch", {}).get(n, {}).get("samples_per_s")
+                own_1 = per_n.get("1", {}).get("samples_per_s") if n != "1" else None
+                batches = m.get("batches") or []
+                available = m.get("available_batches") or batches
+                per_rank = ", ".join(
+                    str(b) if b == a else f"{b}/{a}"
+                    for b, a in zip(batches, available, strict=True)
+                )
+                lines.append(
+                    f"| {workload} | {name} | {n} | {fmt(rate, ',.0f')} | "
+                    f"{ratio(rate, torch_rate)} | {ratio(rate, own_1) if n != '1' else ''} | "
+                    f"{fmt(m.get('slowest_epoch_s'), '.2f')} | {fmt(m.get('ttfb_cold_s'), '.2f')} | "
+                    f"{fmt(m.get('ttfb_warm_s'), '.3f')} | {per_rank or 'n/a'} | "
+                    f"{fmt(m.get('max_missing'), 'd')} | {'yes' if m['exactly_once'] else 'NO'} |"
+                )
+    return "\n".join(lines)
+
+
+def chart_ranks(results: RankResults, path: Path, title: str) -> None:
+    """Draw aggregate samples/s per contender, one bar per rank count, labelled vs torch.
+
+    Args:
+        results: The published ``--ranks`` figures.
+        path: The PNG to write.
+        title: The figure's title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7.0 * len(results), 4.6), squeeze=False)
+    for ax, (workload, by_name) in zip(axes[0], results.items(), strict=True):
+        names = list(by_name)
+        counts = list(next(iter(by_name.values()))) if by_name else []
+        width = 0.8 / max(1, len(counts))
+        for k, n in enumerate(counts):
+            xs = [i + (k - (len(counts) - 1) / 2) * width for i in range(len(names))]
+            rates = [by_name[name][n]["samples_per_s"] or 0.0 for name in names]
+            torch_rate = by_name.get("torch", {}).get(n, {}).get("samples_per_s")
+            bars = ax.bar(xs, rates, width, label=f"{n} rank{'s' if n != '1' else ''}")
+            for bar, rate in zip(bars, rates, strict=True):
+                ax.annotate(
+                    ratio(rate, torch_rate) + "x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(workload)
+        ax.set_ylabel("samples/s, all ranks / slowest rank's epoch")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title}\n(labels: ratio vs torch at the same rank count)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -181,23 +181,53 @@ def to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 
-class ParquetStream(IterableDataset):
-    """The idiomatic torch tabular loader: files sharded over workers, vectorised filtering.
+def stream_shard(
+    n_files: int, epoch: int, *, rank: int, world_size: int, worker: int, workers: int
+) -> np.ndarray:
+    """The files one ``ParquetStream`` worker reads in ``epoch``, in its reading order.
 
-    Each worker reads its share of the epoch's shuffled file order with pyarrow, filters
-    whole record batches with numpy and shuffles through a local buffer. The epoch lives
-    in shared memory so persistent workers see ``set_epoch``.
+    The epoch's shuffled file order is split over the ranks first, as a
+    ``DistributedSampler`` splits its shuffled indices (rank ``r`` takes positions
+    ``r, r + world_size, ...``), then over the rank's ``DataLoader`` workers the same way.
+
+    Args:
+        n_files: How many files there are.
+        epoch: The epoch (it seeds the file order).
+        rank: The process's rank.
+        world_size: How many ranks there are.
+        worker: The worker's id within the rank's ``DataLoader``.
+        workers: The rank's ``num_workers`` (1 without workers).
+
+    Returns:
+        Indices into the file list.
+    """
+    order = np.random.default_rng(epoch_seed(epoch, 1)).permutation(n_files)
+    return order[rank::world_size][worker::workers]
+
+
+class ParquetStream(IterableDataset):
+    """The idiomatic torch tabular loader: files sharded over ranks and workers, numpy filters.
+
+    Each worker reads its share (``stream_shard``) of the epoch's shuffled file order
+    with pyarrow, filters whole record batches with numpy and shuffles through a local
+    buffer. The epoch lives in shared memory so persistent workers see ``set_epoch``.
     """
 
-    def __init__(self, files: Sequence[str], spam: np.ndarray) -> None:
+    def __init__(
+        self, files: Sequence[str], spam: np.ndarray, *, rank: int = 0, world_size: int = 1
+    ) -> None:
         """Hold the files; the epoch starts at 0.
 
         Args:
             files: The parquet files.
             spam: Per user id, whether the user is a spammer.
+            rank: This process's rank (its share of the files, as a ``DistributedSampler``).
+            world_size: How many ranks share the files.
         """
         self.files = list(files)
         self.spam = spam
+        self.rank = rank
+        self.world_size = world_size
         self._epoch = multiprocessing.Value("q", 0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -217,11 +247,20 @@ class ParquetStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch = int(self._epoch.value)
-        order = np.random.default_rng(epoch_seed(epoch, 1)).permutation(len(self.files))
-        buffer = ShuffleBuffer(
-            SHUFFLE_BUFFER, TABULAR_BATCH, np.random.default_rng(epoch_seed(epoch, 10 + worker))
+        shard = stream_shard(
+            len(self.files),
+            epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            worker=worker,
+            workers=workers,
         )
-        for index in order[worker::workers]:
+        # One buffer seed per (rank, worker); rank 0's are those of a single process.
+        stream = 10 + self.rank * workers + worker
+        buffer = ShuffleBuffer(
+            SHUFFLE_BUFFER, TABULAR_BATCH, np.random.default_rng(epoch_seed(epoch, stream))
+        )
+        for index in shard:
             for record_batch in pq.ParquetFile(self.files[index]).iter_batches(batch_size=65_536):
                 rows = select_rows(pa.Table.from_batches([record_batch]), epoch, self.spam)
                 for batch in buffer.push(rows):
@@ -254,18 +293,19 @@ class TabularData:
         files = sorted(str(p) for p in (root / FOLDER).glob("*.parquet"))
         return cls(files, np.load(root / SPAM_FILE), batch_size)
 
-    def expected_ids(self, epoch: int) -> np.ndarray:
+    def expected_ids(self, epoch: int, files: Sequence[int] | None = None) -> np.ndarray:
         """Every row id the filter and the epoch's draw keep, sorted.
 
         Args:
             epoch: The epoch.
+            files: Only these files (indices into ``files``); default all of them.
 
         Returns:
             The ids.
         """
-        kept = []
-        for path in self.files:
-            table = pq.read_table(path, columns=["id", "user_id", "label"])
+        kept = [np.empty(0, dtype=np.int64)]
+        for index in range(len(self.files)) if files is None else files:
+            table = pq.read_table(self.files[index], columns=["id", "user_id", "label"])
             ids = table.column("id").to_numpy()
             users, labels = table.column("user_id").to_numpy(), table.column("label").to_numpy()
             kept.append(ids[keep_mask(ids, users, labels, epoch, self.spam)])
