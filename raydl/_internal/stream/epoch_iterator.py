@@ -172,6 +172,10 @@ class EpochIterator(Iterator[Any]):
             self.progress.close()
         self._producer.close(stalled=self._stalled)
 
+    # torch's iterators have this name; scripts (and torch's own tests) call it to stop
+    # the workers of ``loader._iterator``.
+    _shutdown_workers = close
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
