@@ -244,6 +244,7 @@ class RayDataLoader(Iterable[Any]):
                     generator=generator,
                     worker_options=dict(self.options.worker_options),
                     ray_address=ray_address,
+                    timeout=timeout,
                 ),
                 self._world,
             )

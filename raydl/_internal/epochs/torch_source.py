@@ -67,6 +67,7 @@ class TorchSettings:
     generator: torch.Generator | None
     worker_options: dict[str, Any]
     ray_address: str | None = None
+    timeout: float = 0
 
 
 class TorchSource:
@@ -179,6 +180,10 @@ class TorchSource:
         if not self._cpus_checked:
             self._check_cpus()
         pool, on_close = self._epoch_pool(resume)
+        if self._settings.timeout > 0:
+            # torch's timeout bounds the wait for a batch, not for its workers' start
+            # (torch starts its processes inside iter()): start them here too.
+            pool.wait_ready()
         record.worker_seed = self._worker_seed if self._settings.persistent_workers else None
         skip = resume.batches_consumed if resume is not None else 0
         prefetch = self._settings.prefetch

@@ -88,6 +88,12 @@ class WorkerPool:
         for actor in self.actors:
             actor.reset.remote(spec)
 
+    def wait_ready(self) -> None:
+        """Wait until every worker has started (or reset), as torch's ``iter()`` starts its processes."""
+        import ray
+
+        ray.get([actor.ready.remote() for actor in self.actors])
+
     def restart(self, worker_id: int, dead: Any) -> Any:
         """Replace the dead actor ``dead`` of worker ``worker_id``; the worker's actor now.
 

@@ -126,6 +126,9 @@ class DatasetWorker:
         except Exception:
             self._init_error = InitError(where=f"in worker_init_fn of Ray worker {worker_id}")
 
+    def ready(self) -> None:
+        """Returns once the worker has started (or reset): queued after ``reset``, it waits for it."""
+
     def fetch(self, indices: Sequence[int] | int) -> Any:
         """Load and collate one batch of a map-style dataset (or one sample without batching)."""
         if self._init_error is not None:
