@@ -19,7 +19,7 @@ from ray import cloudpickle
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data.datapipes.iter import IterableWrapper
 
-from raydl import RayDataLoader
+from raydl import RayDataLoader, WorkerDiedError
 
 
 class BadAt(Dataset[int]):
@@ -255,3 +255,20 @@ def test_iterable_length_warning_with_workers() -> None:
 def test_more_workers_than_cluster_cpus_is_warned_at_construction() -> None:
     with pytest.warns(UserWarning, match=r"will create 3 .*CPUs of the Ray cluster.*excessive"):
         RayDataLoader(BadAt(4, set()), num_workers=3)  # the module's cluster has 2 CPUs
+
+
+class SegfaultStream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        import ctypes
+
+        yield ctypes.string_at(0)  # type: ignore[misc]  # reads address 0: SIGSEGV
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_by_a_signal_is_named_in_torchs_words() -> None:
+    loader = RayDataLoader(SegfaultStream(), batch_size=None, num_workers=1)
+    with pytest.raises(
+        WorkerDiedError,
+        match=r"^DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault\. Ray worker 0",
+    ):
+        next(iter(loader))

@@ -29,7 +29,8 @@ from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, ItemError, Stopped
 from raydl._internal.stream.in_process import LengthWatch
 from raydl._internal.workers.convert import numpy_to_tensors
-from raydl._internal.workers.worker import EXHAUSTED, InitError, describe_indices
+from raydl._internal.workers.worker import EXHAUSTED, InitError, describe_indices, killed_by
+from raydl.errors import WorkerDiedError
 
 #: The trainer's message that the sampler is exhausted: no more requests will come.
 END_OF_REQUESTS = object()
@@ -40,6 +41,18 @@ def unwrap(result: Any) -> Any:
     if isinstance(result, ExceptionWrapper):
         result.reraise()
     return numpy_to_tensors(result)
+
+
+def in_torch_words(err: BaseException) -> BaseException:
+    """A worker's death named as torch names it ("DataLoader worker (pid N) is killed by ...")."""
+    if not isinstance(err, WorkerDiedError):
+        return err
+    words = killed_by(err.__cause__)
+    if not words:
+        return err
+    named = type(err)(f"{words} {err}")
+    named.__cause__ = err.__cause__
+    return named
 
 
 def batch_item(result: Any) -> Any:
@@ -110,7 +123,9 @@ class MapStyleProducer(_PoolProducer):
         )
         for _ in range(max(1, lookahead)):
             self._request()
-        self.handoff.start(self._loop, name="raydl-map-style-fetcher")
+        self.handoff.start(
+            self._loop, name="raydl-map-style-fetcher", describe_error=in_torch_words
+        )
 
     def taken(self) -> None:
         self._request()  # torch draws the next indices once a batch has arrived
@@ -197,7 +212,7 @@ class IterableProducer(_PoolProducer):
         refs = [self._calls.submit(actor, "start_iteration", shared_seed) for actor in pool.actors]
         for worker_id, ref in enumerate(refs):
             self._get(ref, worker_id, what=_start)
-        self.handoff.start(self._loop, name="raydl-iterable-fetcher")
+        self.handoff.start(self._loop, name="raydl-iterable-fetcher", describe_error=in_torch_words)
 
     def taken(self) -> None:
         if self._watch is not None:

@@ -22,8 +22,14 @@ on with the next batch, as in torch. A failure of the worker's start
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
 import pickle
 import random
+import re
+import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +45,68 @@ from raydl._internal.workers.convert import tensors_to_numpy
 
 #: Returned by an iterable worker whose dataset is exhausted.
 EXHAUSTED = "__raydl_exhausted__"
+
+#: Where workers' ``faulthandler`` writes a fatal signal, one file per process id.
+FAULTS_DIR = os.path.join(tempfile.gettempdir(), "raydl-faults")
+
+# faulthandler's words for the fatal signals it catches -> torch's (``strsignal``).
+_SIGNALS = {
+    "Segmentation fault": "Segmentation fault",
+    "Bus error": "Bus error",
+    "Floating-point exception": "Floating point exception",
+    "Aborted": "Aborted",
+    "Illegal instruction": "Illegal instruction",
+}
+_fault_file: Any = None  # kept open for the process's life
+
+
+def _record_faults() -> None:
+    """Have ``faulthandler`` write this process's fatal signal where the trainer looks."""
+    global _fault_file
+    if _fault_file is not None:
+        return
+    with contextlib.suppress(OSError):
+        os.makedirs(FAULTS_DIR, exist_ok=True)
+        _clear_stale_faults()
+        _fault_file = open(os.path.join(FAULTS_DIR, str(os.getpid())), "w")  # noqa: SIM115
+        faulthandler.enable(file=_fault_file, all_threads=False)
+
+
+def _clear_stale_faults() -> None:
+    """Remove the files of processes that are gone and that nobody read (older than a minute)."""
+    for name in os.listdir(FAULTS_DIR):
+        path = os.path.join(FAULTS_DIR, name)
+        with contextlib.suppress(OSError, ValueError):
+            if time.time() - os.path.getmtime(path) < 60:
+                continue
+            try:
+                os.kill(int(name), 0)
+            except ProcessLookupError:
+                os.remove(path)
+
+
+def killed_by(ray_error: BaseException | None) -> str:
+    """torch's words for a worker's death, from Ray's error about it (which names the pid).
+
+    "DataLoader worker (pid N) is killed by signal: Segmentation fault." when the
+    worker (on this machine) recorded a fatal signal, "DataLoader worker (pid N)
+    exited unexpectedly." otherwise (SIGKILL, OOM, another node); "" without a pid.
+    """
+    found = re.search(r"\bpid: (\d+)", str(ray_error or ""))
+    if found is None:
+        return ""
+    pid = found.group(1)
+    path = os.path.join(FAULTS_DIR, pid)
+    signal_name = None
+    with contextlib.suppress(OSError):
+        with open(path) as f:
+            first = f.readline()
+        os.remove(path)
+        words = first.partition("Fatal Python error: ")[2].strip()
+        signal_name = _SIGNALS.get(words)
+    if signal_name is None:
+        return f"DataLoader worker (pid {pid}) exited unexpectedly."
+    return f"DataLoader worker (pid {pid}) is killed by signal: {signal_name}."
 
 
 @dataclass(frozen=True)
@@ -83,6 +151,7 @@ class DatasetWorker:
     """
 
     def __init__(self, payload_ref: list[Any], worker_id: int, spec: WorkerSpec) -> None:
+        _record_faults()
         self._payload_ref = payload_ref
         self._id = worker_id
         self.reset(spec)
