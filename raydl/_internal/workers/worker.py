@@ -61,9 +61,16 @@ _fault_file: Any = None  # kept open for the process's life
 
 
 def _record_faults() -> None:
-    """Have ``faulthandler`` write this process's fatal signal where the trainer looks."""
+    """Have ``faulthandler`` write this process's fatal signal where the trainer looks.
+
+    Called again after the user's code ran (unpickling imports modules that may
+    enable ``faulthandler`` on stderr, so may ``worker_init_fn``): the trainer
+    needs the signal to name it; the worker's stderr would not reach it.
+    """
     global _fault_file
     if _fault_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            faulthandler.enable(file=_fault_file, all_threads=False)
         return
     with contextlib.suppress(OSError):
         os.makedirs(FAULTS_DIR, exist_ok=True)
@@ -194,6 +201,7 @@ class DatasetWorker:
                 init_fn(worker_id)
         except Exception:
             self._init_error = InitError(where=f"in worker_init_fn of Ray worker {worker_id}")
+        _record_faults()
 
     def ready(self) -> None:
         """Returns once the worker has started (or reset): queued after ``reset``, it waits for it."""
