@@ -55,16 +55,17 @@ class RayDataLoader(Iterable[Any]):
     meaning and torch's errors. Differences:
 
     * ``num_workers``: the number of Ray actors that run ``__getitem__``/
-      ``__getitems__`` and ``collate_fn`` of a torch ``Dataset``. ``0`` means one
-      actor (the work still leaves the training process); ``get_worker_info()``
-      then reports one worker. Ignored for ``ray.data.Dataset`` sources, whose
+      ``__getitems__`` and ``collate_fn`` of a torch ``Dataset``. ``0`` loads in
+      the training process, as torch does (no pickling, no Ray; ``timeout`` then
+      needs ``num_workers > 0``). Ignored for ``ray.data.Dataset`` sources, whose
       parallelism is set per stage (``map_batches(num_cpus=..., concurrency=...)``).
     * ``persistent_workers``: keep the actors (and their dataset state) between
       epochs; otherwise they are created at ``iter()`` and killed when the epoch
       ends, like torch's worker processes.
     * ``prefetch_factor``: batches in flight per actor (default 2), or batches
       buffered ahead for ``ray.data.Dataset`` sources.
-    * ``multiprocessing_context``: accepted and ignored: there are no subprocesses.
+    * ``multiprocessing_context``: checked as torch checks it, then unused: there
+      are no subprocesses.
     * ``timeout``: seconds to wait for any one batch before raising
       ``LoaderTimeoutError`` (a ``RuntimeError``, torch's wording).
     * ``ray.data.Dataset`` sources yield ``dict[str, Tensor]`` batches;
@@ -82,7 +83,7 @@ class RayDataLoader(Iterable[Any]):
         drop_last: Drop the last incomplete batch.
         timeout: Seconds to wait for a batch, 0 for no limit.
         worker_init_fn: Called with the worker id in each Ray actor.
-        multiprocessing_context: Ignored.
+        multiprocessing_context: Checked as torch checks it; unused.
         generator: RNG of the default ``RandomSampler`` and of the worker seeds.
         prefetch_factor: Batches in flight per worker.
         persistent_workers: Keep the Ray actors across epochs.
@@ -163,6 +164,7 @@ class RayDataLoader(Iterable[Any]):
             timeout=timeout,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
+            multiprocessing_context=multiprocessing_context,
         )
         self.options = LoaderOptions(
             seed=seed,
@@ -187,7 +189,7 @@ class RayDataLoader(Iterable[Any]):
         self.pin_memory_device = pin_memory_device
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
+        self.multiprocessing_context = args.multiprocessing_context
         self.in_order = in_order
         self.shuffle = args.shuffle
         self.batch_size = args.batch_size
@@ -241,6 +243,8 @@ class RayDataLoader(Iterable[Any]):
                     worker_init_fn=worker_init_fn,
                     generator=generator,
                     worker_options=dict(self.options.worker_options),
+                    ray_address=ray_address,
+                    timeout=timeout,
                 ),
                 self._world,
             )
@@ -415,7 +419,8 @@ class RayDataLoader(Iterable[Any]):
             # The previous epoch shares this loader's actors or its ranks' collective
             # schedule: it ends here. Otherwise it lives on independently, as in torch.
             self._close_iterator()
-        cluster.ensure_ray(self.options.ray_address, world=self._world)
+        if not (isinstance(self._source, TorchSource) and self._source.in_process):
+            cluster.ensure_ray(self.options.ray_address, world=self._world)
         epoch = self._next_epoch
         resume, self._resume = self._resume, None
         self._expect(epoch + 1)

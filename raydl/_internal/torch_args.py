@@ -9,6 +9,9 @@ sharded with a ``DistributedSampler``, as if the script had passed one.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,12 +21,14 @@ from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
     IterableDataset,
+    IterDataPipe,
     RandomSampler,
     Sampler,
     SequentialSampler,
 )
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _InfiniteConstantSampler
+from torch.utils.data.graph_settings import apply_shuffle_settings
 
 from raydl._internal.runtime.world import World
 from raydl.pipelines import PerEpoch
@@ -57,6 +62,8 @@ class TorchArgs:
         collate_fn: The collate function (torch's default for the kind).
         prefetch_factor: ``None`` without workers, as in torch.
         auto_sharded: ``sampler`` is the ``DistributedSampler`` raydl added.
+        multiprocessing_context: torch's context object (a start method's name
+            resolved), or ``None``; checked as torch checks it, not used.
     """
 
     kind: str
@@ -68,6 +75,7 @@ class TorchArgs:
     collate_fn: Callable[[Any], Any] | None
     prefetch_factor: int | None
     auto_sharded: bool
+    multiprocessing_context: Any = None
 
 
 def check(
@@ -83,12 +91,15 @@ def check(
     timeout: float,
     prefetch_factor: int | None,
     persistent_workers: bool,
+    multiprocessing_context: Any = None,
 ) -> TorchArgs:
     """Check torch's arguments as torch does, in torch's order, with torch's errors.
 
     The result holds the arguments as given (after torch's rewrites of
     ``batch_size``, ``drop_last`` and ``prefetch_factor``); :func:`with_defaults`
-    adds torch's samplers and collate function.
+    adds torch's samplers and collate function. An ``IterDataPipe``'s shufflers
+    are switched on or off by ``shuffle`` (torch's ``apply_shuffle_settings``,
+    in place), as torch's ``DataLoader`` does.
     """
     if num_workers < 0:
         raise ValueError(
@@ -110,9 +121,24 @@ def check(
         raise ValueError("persistent_workers option needs num_workers > 0")
 
     kind = dataset_kind(dataset)
+    if kind != RAY and num_workers == 0 and timeout > 0:
+        raise ValueError(
+            f"timeout option needs num_workers > 0, but got timeout={timeout!r} with "
+            "num_workers=0: without workers the batches load in this process (as in torch), "
+            "where a wait cannot be bounded; use num_workers=1 to load on a Ray actor with a "
+            "timeout, or timeout=0"
+        )
+    if kind != RAY:
+        multiprocessing_context = check_multiprocessing_context(
+            multiprocessing_context, num_workers
+        )
     if kind != MAP:
         name = "IterableDataset" if kind == ITERABLE else "ray.data.Dataset"
-        if kind == ITERABLE and shuffle not in {False, None}:
+        if isinstance(dataset, IterDataPipe):
+            if shuffle is not None:
+                apply_shuffle_settings(dataset, shuffle=shuffle)
+            shuffle = None  # the pipe's shufflers shuffle; the loader draws no order
+        elif kind == ITERABLE and shuffle not in {False, None}:
             raise ValueError(
                 f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
             )
@@ -157,6 +183,70 @@ def check(
         collate_fn=collate_fn,
         prefetch_factor=prefetch_factor,
         auto_sharded=False,
+        multiprocessing_context=multiprocessing_context,
+    )
+
+
+def check_multiprocessing_context(context: Any, num_workers: int) -> Any:
+    """torch's check of ``multiprocessing_context``; a start method's name becomes its context.
+
+    raydl starts no subprocesses (its workers are Ray actors), so the context is
+    not used; it is still refused where torch refuses it, with torch's errors.
+    """
+    if context is None:
+        return None
+    if num_workers == 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got num_workers={num_workers}"
+        )
+    if isinstance(context, str):
+        valid_start_methods = torch.multiprocessing.get_all_start_methods()
+        if context not in valid_start_methods:
+            raise ValueError(
+                "multiprocessing_context option should specify a valid start method in "
+                f"{valid_start_methods!r}, but got multiprocessing_context={context!r}"
+            )
+        context = torch.multiprocessing.get_context(context)
+    if not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context}"
+        )
+    return context
+
+
+def local_cpu_count() -> int | None:
+    """The CPUs this process may use (its affinity mask where known), as torch counts them."""
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return len(os.sched_getaffinity(0))
+        except OSError:
+            pass
+    return os.cpu_count()
+
+
+def warn_excessive_workers(num_workers: int, cpus: float | None, where: str) -> None:
+    """torch's warning when a loader starts more workers than there are CPUs for them.
+
+    ``cpus``: the CPUs the loader's actors may use (``None``: unknown); ``where``
+    names them ("the Ray cluster", "this machine").
+    """
+    if num_workers == 0 or (cpus is not None and num_workers <= cpus):
+        return
+    suggestion = (
+        f"Our suggested max number of worker in current system is {int(cpus)} (the CPUs of "
+        f"{where}), which is smaller than what this DataLoader is going to create."
+        if cpus is not None
+        else "DataLoader is not able to compute a suggested max number of worker in current system."
+    )
+    warnings.warn(
+        f"This DataLoader will create {num_workers} worker processes (Ray actors) in total. "
+        f"{suggestion} Please be aware that excessive worker creation might get DataLoader "
+        "running slow or even freeze, lower the worker number to avoid potential "
+        "slowness/freeze if necessary.",
+        UserWarning,
+        stacklevel=4,
     )
 
 

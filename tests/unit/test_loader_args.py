@@ -54,6 +54,7 @@ MAP = MapData(10)
 STREAM = StreamData(10)
 SEQ = SequentialSampler(MAP)
 BATCHES = BatchSampler(SequentialSampler(MAP), batch_size=3, drop_last=False)
+NOT_A_CONTEXT = object()
 
 # Each case: (dataset, kwargs) that torch's DataLoader rejects.
 BAD_ARGUMENTS = {
@@ -73,6 +74,12 @@ BAD_ARGUMENTS = {
     "iterable_and_batch_sampler": (STREAM, {"batch_sampler": BATCHES}),
     # torch checks the IterableDataset conflicts before the generic ones.
     "iterable_and_shuffle_and_sampler": (STREAM, {"shuffle": True, "sampler": SEQ}),
+    "context_without_workers": (MAP, {"multiprocessing_context": "spawn"}),
+    "context_bad_start_method": (MAP, {"num_workers": 1, "multiprocessing_context": "bad"}),
+    "context_not_a_context": (
+        MAP,
+        {"num_workers": 1, "multiprocessing_context": NOT_A_CONTEXT},
+    ),
 }
 
 
@@ -309,7 +316,18 @@ def test_construction_and_len_do_not_start_ray() -> None:
 def test_iter_is_what_starts_ray() -> None:
     # The autouse fixture makes ray.init raise: iter() is the first thing that needs Ray.
     with pytest.raises(AssertionError, match=r"unit tests must not call ray\.init"):
-        iter(RayDataLoader(MAP))
+        iter(RayDataLoader(MAP, num_workers=1))
+
+
+def test_num_workers_0_loads_in_process_without_ray() -> None:
+    # As torch: no workers means the batches load in this process; Ray is never started.
+    assert [b.tolist() for b in RayDataLoader(MAP, batch_size=4)] == [
+        [0.0, 1.0, 2.0, 3.0],
+        [4.0, 5.0, 6.0, 7.0],
+        [8.0, 9.0],
+    ]
+    assert [b.tolist() for b in RayDataLoader(SizedStream(3), batch_size=2)] == [[0, 1], [2]]
+    assert not ray.is_initialized()
 
 
 @pytest.mark.parametrize("epoch", [1.5, "2", True])

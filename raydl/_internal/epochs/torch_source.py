@@ -1,6 +1,8 @@
 """Epochs of a torch ``Dataset``: map-style or iterable, on a pool of Ray actors.
 
-A :class:`TorchSource` owns the dataset's workers for the loader's life:
+With ``num_workers=0`` an epoch loads in the training process, as torch's does
+(``stream/in_process.py``: no actors, no pickling, no Ray). Otherwise a
+:class:`TorchSource` owns the dataset's workers for the loader's life:
 
 * persistent workers: one pool, kept until ``close()``;
 * otherwise each epoch owns a pool while it runs, as each torch iterator owns
@@ -9,8 +11,16 @@ A :class:`TorchSource` owns the dataset's workers for the loader's life:
   actors instead of starting new processes.
 
 Order is torch's: the sampler is iterated on the trainer's thread, and the RNG
-draws (sampler iterator, then workers' base seed) happen in torch's order, so
-the same ``torch.manual_seed`` gives the same batches as torch's loader.
+draws (a DataPipe's shuffle seed, the sampler iterator, then the workers' base
+seed, drawn even without workers) happen in torch's order, so the same
+``torch.manual_seed`` gives the same batches as torch's loader.
+
+DataPipes as torch's ``DataLoader`` runs them: ``shuffle`` switches their
+shufflers on or off (``torch_args.check``), each epoch draws one seed for them
+(``apply_random_seed``, in every worker alike), and ``sharding_filter`` is
+applied per rank and worker (``apply_sharding``; without workers, per rank).
+Under several ranks the shuffle seed is each rank's own draw (torch broadcasts
+rank 0's): seed the ranks alike.
 """
 
 from __future__ import annotations
@@ -20,15 +30,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
 from raydl._internal.epochs.elastic import batch_counts
 from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.resume import map_style_share, sampler_spec
 from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
+from raydl._internal.runtime.cluster import is_connected
+from raydl._internal.runtime.env import ray_address as ray_address_env
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.batching import skip_consumed
+from raydl._internal.stream.epoch_iterator import Producer
+from raydl._internal.stream.in_process import InProcessProducer, LengthWatch
 from raydl._internal.stream.pool_producers import IterableProducer, MapStyleProducer
-from raydl._internal.torch_args import ITERABLE, TorchArgs
+from raydl._internal.torch_args import (
+    ITERABLE,
+    TorchArgs,
+    local_cpu_count,
+    warn_excessive_workers,
+)
 from raydl._internal.workers.pool import WorkerPool
 from raydl._internal.workers.worker import WorkerSpec
 
@@ -45,6 +66,8 @@ class TorchSettings:
     worker_init_fn: Callable[[int], None] | None
     generator: torch.Generator | None
     worker_options: dict[str, Any]
+    ray_address: str | None = None
+    timeout: float = 0
 
 
 class TorchSource:
@@ -59,11 +82,47 @@ class TorchSource:
         self._pool: WorkerPool | None = None  # persistent workers
         self._parked: list[WorkerPool] = []  # idle pools of finished epochs
         self._worker_seed: int | None = None  # base seed of the persistent workers
+        self._len_called: int | None = None  # len(dataset) as len(loader) last saw it
+        self._cpus_checked = False
+        if settings.num_workers > 0 and (is_connected() or settings.ray_address is None):
+            self._check_cpus()  # else: at the first epoch, once the cluster is known
+
+    @property
+    def in_process(self) -> bool:
+        """Epochs load in the training process (``num_workers=0``, as torch): no Ray."""
+        return self._settings.num_workers == 0
+
+    def _check_cpus(self) -> None:
+        """torch's warning when ``num_workers`` exceeds the CPUs the actors may use."""
+        self._cpus_checked = True
+        if is_connected():
+            import ray
+
+            cpus: float | None = ray.cluster_resources().get("CPU")
+            where = "the Ray cluster"
+        elif ray_address_env() is None:
+            cpus, where = local_cpu_count(), "this machine, which the embedded Ray instance uses"
+        else:
+            self._cpus_checked = False  # a cluster not joined yet: look when it is
+            return
+        per_actor = float(self._settings.worker_options.get("num_cpus") or 0)
+        if cpus is not None and per_actor > 0:
+            cpus = cpus / per_actor
+        warn_excessive_workers(self._settings.num_workers, cpus, where)
 
     # -- length ---------------------------------------------------------------------
 
     def length(self, epoch: int) -> int:
-        """Batches of an epoch; ``TypeError`` when the dataset has no length."""
+        """``len(loader)``: batches of an epoch; ``TypeError`` when the dataset has no length.
+
+        For an ``IterableDataset`` the length seen is kept: an epoch started later
+        warns (as torch does) when it yields more batches than that.
+        """
+        if self._iterable:
+            self._len_called = len(self._dataset)
+        return self._batches()
+
+    def _batches(self) -> int:
         if self._iterable:
             return batch_counts(len(self._dataset), self._args.batch_size, self._args.drop_last)
         return len(self._index_sampler)
@@ -90,6 +149,7 @@ class TorchSource:
         record = EpochRecord(epoch=epoch)
         index_iter: Iterator[Any] | None = None
         length: int | None = None
+        shared_seed: int | None = None
         if resume is not None and resume.needs_elastic(world.world_size):
             # The rest of an epoch saved at another world size: rebuild its order
             # and deal what no rank consumed; the record keeps describing that epoch.
@@ -103,6 +163,7 @@ class TorchSource:
             if resume is not None:
                 self._restore_rng(resume)
             record.rng = self._capture_rng()
+            shared_seed = self._datapipe_seed()
             record.sampler_epoch = getattr(args.sampler, "epoch", None)
             persistent = self._settings.persistent_workers
             record.order = {
@@ -114,14 +175,29 @@ class TorchSource:
             if not self._iterable:
                 index_iter = iter(self._index_sampler)
                 length = len(self._index_sampler)
+        if self.in_process:
+            return self._in_process_epoch(record, index_iter, length, resume, shared_seed)
+        if not self._cpus_checked:
+            self._check_cpus()
         pool, on_close = self._epoch_pool(resume)
+        if self._settings.timeout > 0:
+            # torch's timeout bounds the wait for a batch, not for its workers' start
+            # (torch starts its processes inside iter()): start them here too.
+            pool.wait_ready()
         record.worker_seed = self._worker_seed if self._settings.persistent_workers else None
         skip = resume.batches_consumed if resume is not None else 0
         prefetch = self._settings.prefetch
-        producer: MapStyleProducer | IterableProducer
+        producer: Producer
         if index_iter is None:
-            producer = IterableProducer(pool, prefetch=prefetch, skip=skip, on_close=on_close)
-            length = self._length_or_none(epoch)
+            producer = IterableProducer(
+                pool,
+                prefetch=prefetch,
+                skip=skip,
+                on_close=on_close,
+                shared_seed=shared_seed,
+                watch=self._watch(skip),
+            )
+            length = self._length_or_none()
         else:
             # A resumed map-style epoch skips the consumed batches' indices: nothing is
             # fetched again.
@@ -134,11 +210,61 @@ class TorchSource:
             )
         return EpochStart(producer, record, skip=skip, length=length)
 
-    def _length_or_none(self, epoch: int) -> int | None:
+    def _length_or_none(self) -> int | None:
         try:
-            return self.length(epoch)
+            return self._batches()
         except TypeError:
             return None
+
+    def _watch(self, skip: int) -> LengthWatch | None:
+        if self._len_called is None:
+            return None
+        return LengthWatch(
+            self._dataset,
+            reported=self._len_called,
+            num_workers=self._settings.num_workers,
+            start=skip,
+        )
+
+    def _datapipe_seed(self) -> int | None:
+        """A DataPipe's shuffle seed for this epoch (torch's ``_share_dist_seed``), else ``None``."""
+        if not isinstance(self._dataset, IterDataPipe):
+            return None
+        generator = self._settings.generator
+        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+    def _in_process_epoch(
+        self,
+        record: EpochRecord,
+        index_iter: Iterator[Any] | None,
+        length: int | None,
+        resume: LoaderState | None,
+        shared_seed: int | None,
+    ) -> EpochStart:
+        """An epoch loaded in this process, batch by batch in ``next()`` (``num_workers=0``)."""
+        args, dataset = self._args, self._dataset
+        # torch draws a base seed for its (absent) workers too: the same RNG stream.
+        torch.empty((), dtype=torch.int64).random_(generator=self._settings.generator)
+        if shared_seed is not None:
+            apply_random_seed(dataset, torch.Generator().manual_seed(shared_seed))
+        if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+            apply_sharding(dataset, self._world.world_size, self._world.rank)
+        skip = resume.batches_consumed if resume is not None else 0
+        if index_iter is None:
+            index_iter, length = iter(self._index_sampler), self._length_or_none()
+        else:
+            index_iter = skip_consumed(index_iter, skip)
+        producer = InProcessProducer(
+            dataset,
+            index_iter,
+            iterable=self._iterable,
+            auto_collation=args.batch_sampler is not None,
+            collate_fn=args.collate_fn,
+            drop_last=args.drop_last,
+            skip=skip,
+            watch=self._watch(skip) if self._iterable else None,
+        )
+        return EpochStart(producer, record, skip=skip, length=length)
 
     # -- workers --------------------------------------------------------------------
 
@@ -173,6 +299,8 @@ class TorchSource:
             base_seed=base_seed,
             batch_size=args.batch_size,
             drop_last=args.drop_last,
+            world_size=self._world.world_size,
+            rank=self._world.rank,
         )
         if self._parked:
             pool = self._parked.pop()

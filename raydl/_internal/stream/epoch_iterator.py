@@ -10,7 +10,10 @@ it alone:
 * pins host batches (``pin_memory=True`` without a device copy);
 * times the trainer's wait inside ``next()`` and updates the progress bar;
 * applies torch's ``timeout`` to that wait;
-* closes the producer on exhaustion, an exception, ``close()`` or collection.
+* raises a failed batch (an :class:`~raydl._internal.stream.handoff.ItemError`)
+  and goes on with the next one, as torch does;
+* closes the producer on exhaustion, any other exception, ``close()`` or
+  collection.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.runtime.cluster import is_connected
-from raydl._internal.stream.handoff import Handoff
+from raydl._internal.stream.handoff import Handoff, ItemError
 from raydl._internal.stream.metrics import EpochStats, logger
 from raydl.errors import LoaderTimeoutError
 
@@ -131,6 +134,11 @@ class EpochIterator(Iterator[Any]):
         except BaseException:
             self.close()
             raise
+        if isinstance(batch, ItemError):
+            # One batch failed (its __getitem__ raised): torch re-raises it and the
+            # epoch goes on. It holds its place in the epoch (a resume skips it).
+            self.num_yielded += 1
+            batch.reraise()
         if self._pin:
             batch = pin_structure(batch)
         self.num_yielded += 1
@@ -163,6 +171,10 @@ class EpochIterator(Iterator[Any]):
         if self.progress is not None:
             self.progress.close()
         self._producer.close(stalled=self._stalled)
+
+    # torch's iterators have this name; scripts (and torch's own tests) call it to stop
+    # the workers of ``loader._iterator``.
+    _shutdown_workers = close
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

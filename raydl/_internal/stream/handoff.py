@@ -9,7 +9,9 @@ a stop flag the consumer sets, and the producer thread, whose death is noticed.
   :meth:`Handoff.put` for each item. Returning ends the stream; raising puts the
   exception (as the consumer should see it, see ``describe_error``); a ``put``
   after :meth:`Handoff.stop` raises :class:`Stopped`, which unwinds ``body``
-  quietly.
+  quietly. A failure that does not end the stream (a user's exception in one
+  batch: torch re-raises it and goes on with the next batch) travels as an
+  ordinary item, an :class:`ItemError`, which the consumer raises.
 * The consumer calls :meth:`Handoff.take`: the next item, ``StopIteration`` at
   the end or once stopped, the producer's exception re-raised, torch's timeout
   error after ``timeout`` seconds, or an error naming the thread if it died
@@ -25,7 +27,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
+
+from torch.utils.data._utils import ExceptionWrapper
 
 from raydl.errors import LoaderTimeoutError
 
@@ -45,6 +49,36 @@ class _Failure:
 
 
 _END = object()
+
+
+class ItemError:
+    """One item that failed (a batch whose ``__getitem__`` raised); the stream goes on.
+
+    It is queued like any item; the consumer calls :meth:`reraise`. ``error`` is
+    torch's ``ExceptionWrapper`` from a worker (re-raised as the original type, as
+    torch does) or an exception caught in this process (raised as it is, with its
+    traceback).
+
+    Example:
+        >>> item = ItemError(ValueError("bad sample"))
+        >>> item.reraise()
+        Traceback (most recent call last):
+        ...
+        ValueError: bad sample
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | ExceptionWrapper) -> None:
+        self.error = error
+
+    def reraise(self) -> NoReturn:
+        """Raise the item's exception."""
+        error = self.error
+        if isinstance(error, BaseException):
+            raise error
+        error.reraise()  # torch's ExceptionWrapper: the original type, the worker's text
+        raise AssertionError("ExceptionWrapper.reraise returned")  # it always raises
 
 
 def timeout_error(timeout: float) -> LoaderTimeoutError:
@@ -175,3 +209,35 @@ class Handoff:
     def thread(self) -> threading.Thread | None:
         """The producer thread, once started."""
         return self._thread
+
+
+class InlineHandoff(Handoff):
+    """A hand-off whose items are made by the consumer's own ``take`` (no thread).
+
+    ``num_workers=0`` loads as torch does: in the training process, on the thread
+    that asks for the batch, so a breakpoint in ``__getitem__`` stops the trainer.
+    ``produce`` returns the next item or raises ``StopIteration`` at the end;
+    ``timeout`` does not apply (a call on the caller's own thread cannot be cut
+    short). A stage that takes from it on its own thread (the device copy) makes
+    the items there.
+
+    Example:
+        >>> items = iter([1, 2])
+        >>> h = InlineHandoff(lambda: next(items))
+        >>> [h.take(timeout=0), h.take(timeout=0)]
+        [1, 2]
+    """
+
+    def __init__(self, produce: Callable[[], Any]) -> None:
+        super().__init__()
+        self._produce = produce
+
+    def take(self, timeout: float) -> Any:
+        """The next item, made now; ``StopIteration`` at the end or once stopped."""
+        if self._ended or self._stop.is_set():
+            raise StopIteration
+        try:
+            return self._produce()
+        except StopIteration:
+            self._ended = True
+            raise

@@ -99,6 +99,8 @@ def _positions(n: int) -> tuple[np.ndarray, torch.Tensor]:
 
 def batch_len(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor/array (1 if there is none)."""
+    if isinstance(batch, torch.Tensor) and batch.is_nested:
+        return batch.size(0)  # a nested tensor has no .shape
     if isinstance(batch, torch.Tensor) or hasattr(batch, "shape"):
         shape = batch.shape
         return int(shape[0]) if len(shape) else 1

@@ -26,9 +26,11 @@ from torch.utils.data._utils import ExceptionWrapper
 from raydl._internal.stream.batching import skip_consumed
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, RayCalls, get_sliced
 from raydl._internal.stream.epoch_iterator import Producer
-from raydl._internal.stream.handoff import SLICE_S, Handoff, Stopped
+from raydl._internal.stream.handoff import SLICE_S, Handoff, ItemError, Stopped
+from raydl._internal.stream.in_process import LengthWatch
 from raydl._internal.workers.convert import numpy_to_tensors
-from raydl._internal.workers.worker import EXHAUSTED, describe_indices
+from raydl._internal.workers.worker import EXHAUSTED, InitError, describe_indices, killed_by
+from raydl.errors import WorkerDiedError
 
 #: The trainer's message that the sampler is exhausted: no more requests will come.
 END_OF_REQUESTS = object()
@@ -38,6 +40,33 @@ def unwrap(result: Any) -> Any:
     """A worker's reply as tensors, or the worker's exception raised (torch's ``ExceptionWrapper``)."""
     if isinstance(result, ExceptionWrapper):
         result.reraise()
+    return numpy_to_tensors(result)
+
+
+def in_torch_words(err: BaseException) -> BaseException:
+    """A worker's death named as torch names it ("DataLoader worker (pid N) is killed by ...")."""
+    if not isinstance(err, WorkerDiedError):
+        return err
+    words = killed_by(err.__cause__)
+    if not words:
+        return err
+    named = type(err)(f"{words} {err}")
+    named.__cause__ = err.__cause__
+    return named
+
+
+def batch_item(result: Any) -> Any:
+    """A worker's reply to one batch as the item handed over: tensors, or an ``ItemError``.
+
+    A user's exception in one batch travels as an item (``next()`` raises it and
+    the epoch goes on, as in torch); a worker that failed to start
+    (:class:`~raydl._internal.workers.worker.InitError`) can load nothing more, so
+    its exception is raised here and ends the epoch.
+    """
+    if isinstance(result, InitError):
+        result.reraise()
+    if isinstance(result, ExceptionWrapper):
+        return ItemError(result)
     return numpy_to_tensors(result)
 
 
@@ -65,6 +94,7 @@ class MapStyleProducer(_PoolProducer):
     as soon as it arrives and hands the converted replies over in request order
     (or as they finish, ``in_order=False``). A worker that dies is replaced and
     its requests re-sent (see :class:`~raydl._internal.stream.dispatch.Dispatcher`).
+    A batch whose loading raised is handed over as an ``ItemError`` in its place.
     """
 
     def __init__(
@@ -93,7 +123,9 @@ class MapStyleProducer(_PoolProducer):
         )
         for _ in range(max(1, lookahead)):
             self._request()
-        self.handoff.start(self._loop, name="raydl-map-style-fetcher")
+        self.handoff.start(
+            self._loop, name="raydl-map-style-fetcher", describe_error=in_torch_words
+        )
 
     def taken(self) -> None:
         self._request()  # torch draws the next indices once a batch has arrived
@@ -119,7 +151,7 @@ class MapStyleProducer(_PoolProducer):
                 if self._requests_ended:
                     return
                 continue
-            self.handoff.put(unwrap(self._dispatch.collect(in_order=self._in_order)))
+            self.handoff.put(batch_item(self._dispatch.collect(in_order=self._in_order)))
 
     def _between(self) -> None:
         self._check_stop()
@@ -151,8 +183,11 @@ class IterableProducer(_PoolProducer):
     ones (torch's order), keeps ``prefetch`` ``next_batch`` calls in flight per
     worker and hands over the converted batches (one queued, one waiting to be).
     A worker that dies is reported at once: it held a position in a stream that a
-    restart would lose. ``skip``: batches to read and drop first (a resume; exact
-    for deterministic datasets).
+    restart would lose. A batch whose iterator raised is handed over as an
+    ``ItemError`` and that worker goes on with its iterator, as in torch.
+    ``skip``: batches to read and drop first (a resume; exact for deterministic
+    datasets). ``shared_seed``: the epoch's seed of a DataPipe's shufflers, sent
+    to every worker. ``watch``: torch's warning past the reported length.
     """
 
     def __init__(
@@ -163,18 +198,25 @@ class IterableProducer(_PoolProducer):
         skip: int = 0,
         on_close: Callable[[], None] | None = None,
         calls: Calls | None = None,
+        shared_seed: int | None = None,
+        watch: LengthWatch | None = None,
     ) -> None:
         super().__init__(on_close)
         self._pool = pool
         self._calls = calls or RayCalls()
         self._prefetch = max(1, prefetch)
         self._skip = skip
+        self._watch = watch
         self.handoff = Handoff(maxsize=1)
         # Started on the trainer's thread, as torch starts its workers' iterators.
-        refs = [self._calls.submit(actor, "start_iteration") for actor in pool.actors]
+        refs = [self._calls.submit(actor, "start_iteration", shared_seed) for actor in pool.actors]
         for worker_id, ref in enumerate(refs):
             self._get(ref, worker_id, what=_start)
-        self.handoff.start(self._loop, name="raydl-iterable-fetcher")
+        self.handoff.start(self._loop, name="raydl-iterable-fetcher", describe_error=in_torch_words)
+
+    def taken(self) -> None:
+        if self._watch is not None:
+            self._watch.count()
 
     def _get(self, ref: Any, worker_id: int, what: Callable[[], str] | None = None) -> Any:
         return get_sliced(
@@ -206,7 +248,7 @@ class IterableProducer(_PoolProducer):
                 continue
             pending[worker_id].append(submit(actors[worker_id], "next_batch"))
             cursor += 1
-            yield unwrap(result)
+            yield batch_item(result)
 
 
 def _next_batch() -> str:

@@ -5,11 +5,21 @@ their payload, while a ``torch.Tensor`` is pickled byte by byte. Workers
 therefore turn every CPU tensor of a batch into a numpy array
 (:func:`tensors_to_numpy`, zero-copy) and the training process turns them back
 (:func:`numpy_to_tensors`). The nesting (dicts, lists, tuples, namedtuples) and
-non-tensor leaves are kept as they are.
+non-tensor leaves are kept as they are. Tensors numpy cannot view (nested,
+sparse, on a GPU, needing grad) travel pickled, as torch tensors.
+
+A namedtuple class that pickle cannot find by its name (one defined inside a
+class body: ``Dataset.Batch``, whose ``__qualname__`` is just ``Batch``; or any
+class of the training script, which a Ray worker knows only by value) would
+come back as a copy of the class, so ``isinstance(batch, Dataset.Batch)``
+fails. Its instances travel as :class:`_Named` (module, name, fields, values)
+and the training process rebuilds them with its own class, found in the module
+or one class body down (:func:`_find_namedtuple`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +61,10 @@ class _Wrapped:
 
 def tensors_to_numpy(obj: Any) -> Any:
     """Replace each CPU tensor in ``obj`` by a numpy view of it (wrapped, so it comes back a tensor)."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields") and not _pickles_by_name(type(obj)):
+        cls = type(obj)
+        values = tuple(tensors_to_numpy(v) for v in obj)
+        return _Named(cls.__module__, cls.__name__, tuple(cls._fields), values, cls)
     if isinstance(obj, torch.Tensor):
         if not _plain(obj):
             return obj  # sparse, conj/neg views, autograd, GPU: travels pickled, as it is
@@ -67,6 +81,7 @@ def _plain(tensor: torch.Tensor) -> bool:
     return (
         tensor.device.type == "cpu"
         and tensor.layout == torch.strided
+        and not tensor.is_nested
         and not tensor.requires_grad
         and not tensor.is_conj()
         and not tensor.is_neg()
@@ -78,7 +93,68 @@ def numpy_to_tensors(obj: Any) -> Any:
     if isinstance(obj, _Wrapped):
         tensor = array_to_tensor(obj.array)
         return tensor if obj.dtype is None else tensor.view(obj.dtype)
+    if isinstance(obj, _Named):
+        return obj.rebuild(numpy_to_tensors)
     return _map_structure(obj, numpy_to_tensors)
+
+
+class _Named:
+    """A namedtuple whose class pickle cannot find by name, as plain data (see the module doc)."""
+
+    __slots__ = ("cls", "fields", "module", "name", "values")
+
+    def __init__(
+        self, module: str, name: str, fields: tuple[str, ...], values: tuple[Any, ...], cls: type
+    ) -> None:
+        self.module = module
+        self.name = name
+        self.fields = fields
+        self.values = values
+        self.cls = cls  # pickled by value: used when the trainer has no such class
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Named, (self.module, self.name, self.fields, self.values, self.cls))
+
+    def rebuild(self, fn: Any) -> Any:
+        cls = _find_namedtuple(self.module, self.name, self.fields) or self.cls
+        return cls(*(fn(v) for v in self.values))
+
+
+_FOUND: dict[tuple[str, str, tuple[str, ...]], type | None] = {}
+_BY_NAME: dict[type, bool] = {}
+
+
+def _pickles_by_name(cls: type) -> bool:
+    """Whether pickle finds ``cls`` as ``module.qualname`` in this process (cached)."""
+    known = _BY_NAME.get(cls)
+    if known is None:
+        found: Any = sys.modules.get(cls.__module__)
+        for part in cls.__qualname__.split("."):
+            found = getattr(found, part, None)
+        known = _BY_NAME[cls] = found is cls
+    return known
+
+
+def _find_namedtuple(module: str, name: str, fields: tuple[str, ...]) -> type | None:
+    """This process's namedtuple class ``name`` of ``module``: at its top or in a class body."""
+    key = (module, name, fields)
+    if key in _FOUND:
+        return _FOUND[key]
+    owner = sys.modules.get(module)
+    found: type | None = None
+    if owner is not None:
+        places = [owner, *(v for v in vars(owner).values() if isinstance(v, type))]
+        for place in places:
+            candidate = vars(place).get(name)
+            if (
+                isinstance(candidate, type)
+                and issubclass(candidate, tuple)
+                and getattr(candidate, "_fields", None) == fields
+            ):
+                found = candidate
+                break
+    _FOUND[key] = found
+    return found
 
 
 def array_to_tensor(array: np.ndarray) -> torch.Tensor:

@@ -1,8 +1,18 @@
 """A pool of :class:`~raydl._internal.workers.worker.DatasetWorker` Ray actors.
 
-The dataset is pickled once into the object store; each actor unpickles its
-own copy (writable, as in a torch worker process). The pool holds the
-reference, so a restarted actor can load it again.
+The dataset is pickled once into the object store, together with the
+``worker_init_fn`` and ``collate_fn`` in one payload (as torch hands them to a
+worker process in one go, so references between them survive: a bound method
+of the dataset, globals of the training script that both read); each actor
+unpickles its own copy (writable, as in a torch worker process). The pool
+holds the reference, so a restarted actor can load it again.
+
+What one payload can share, pickled by value with cloudpickle: functions and
+classes of ``__main__`` in the payload share one globals dict per worker, so a
+``global`` set by ``worker_init_fn`` is what ``__getitem__`` reads. Not shared:
+objects pickled apart (the sampler stays in the trainer, another loader has its
+own payload), and module-level state of importable modules is the worker
+process's own (shared by everything in that process, as in a torch worker).
 Restarts are raydl's, not Ray's (the actors have ``max_restarts=0``): when a
 map-style worker dies mid-epoch (SIGKILL, OOM), the epoch iterator replaces it
 with :meth:`WorkerPool.restart` and re-submits that worker's in-flight fetches,
@@ -18,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ray import cloudpickle  # Ray's own copy: the workers unpickle with it too
@@ -53,11 +64,12 @@ class WorkerPool:
 
         actor_options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
         actor_options.update(options or {})
-        # Nested in a list, the reference reaches the actor unresolved: the actor
-        # unpickles its own writable copy (see DatasetWorker.__init__).
-        self._dataset_ref = ray.put(cloudpickle.dumps(dataset))
+        # One payload (see the module docstring). Nested in a list, the reference
+        # reaches the actor unresolved: the actor unpickles its own writable copy.
+        payload = (dataset, spec.worker_init_fn, spec.collate_fn)
+        self._dataset_ref = ray.put(cloudpickle.dumps(payload))
         self._actor_cls = ray.remote(DatasetWorker).options(**actor_options)
-        self.spec = spec
+        self.spec = _without_functions(spec)
         self.restartable = restartable
         self._restarting = threading.Lock()
         self.actors = [self._start(i) for i in range(spec.num_workers)]
@@ -69,11 +81,18 @@ class WorkerPool:
         """Turn every worker into a fresh one for ``spec`` (see ``DatasetWorker.reset``).
 
         Asynchronous: each actor runs its tasks in order, so the reset happens
-        before any fetch submitted after this call.
+        before any fetch submitted after this call. ``worker_init_fn`` and
+        ``collate_fn`` stay the payload's (a loader's are fixed).
         """
-        self.spec = spec
+        spec = self.spec = _without_functions(spec)
         for actor in self.actors:
             actor.reset.remote(spec)
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has started (or reset), as torch's ``iter()`` starts its processes."""
+        import ray
+
+        ray.get([actor.ready.remote() for actor in self.actors])
 
     def restart(self, worker_id: int, dead: Any) -> Any:
         """Replace the dead actor ``dead`` of worker ``worker_id``; the worker's actor now.
@@ -107,3 +126,8 @@ class WorkerPool:
             with contextlib.suppress(Exception):  # already dead, or Ray already shut down
                 ray.kill(actor, no_restart=True)
         self.actors = []
+
+
+def _without_functions(spec: WorkerSpec) -> WorkerSpec:
+    """``spec`` as the actors get it: its functions travel in the payload instead."""
+    return replace(spec, worker_init_fn=None, collate_fn=None)

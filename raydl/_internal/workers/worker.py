@@ -1,37 +1,129 @@
 """The Ray actors that run a torch ``Dataset`` on the cluster, one per loader worker.
 
 A worker plays the part of one of torch's ``DataLoader`` worker processes:
-it holds a copy of the dataset, seeds ``torch``/``random`` like torch does,
-sets what :func:`torch.utils.data.get_worker_info` returns, calls
-``worker_init_fn(worker_id)``, and then fetches and collates batches on request.
+it holds a copy of the dataset, seeds ``torch``/``random``/``numpy`` like torch
+does, sets what :func:`torch.utils.data.get_worker_info` returns, shards a
+DataPipe (torch's ``apply_sharding``), calls ``worker_init_fn(worker_id)``, and
+then fetches and collates batches on request.
+
+The dataset, ``worker_init_fn`` and ``collate_fn`` arrive as one pickled payload
+(see :mod:`~raydl._internal.workers.pool`), as torch hands them to a worker
+process in one go: a ``worker_init_fn`` that is a bound method of the dataset
+sets state on the very copy whose ``__getitem__`` runs, and functions of the
+training script (``__main__``, pickled by value) share one globals dict.
 
 Exceptions from user code are caught here and returned as torch's own
 ``ExceptionWrapper`` so the training process re-raises them with the original
-type, the original traceback text and the indices being loaded.
+type, the original traceback text and the indices being loaded; the epoch goes
+on with the next batch, as in torch. A failure of the worker's start
+(``worker_init_fn``, an ``IterableDataset``'s ``__iter__``) is an
+:class:`InitError`: that worker can load nothing, and the epoch ends with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
 import pickle
 import random
+import re
+import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, IterDataPipe, MapDataPipe
 from torch.utils.data._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
 from raydl._internal.workers.convert import tensors_to_numpy
 
 #: Returned by an iterable worker whose dataset is exhausted.
 EXHAUSTED = "__raydl_exhausted__"
 
+#: Where workers' ``faulthandler`` writes a fatal signal, one file per process id.
+FAULTS_DIR = os.path.join(tempfile.gettempdir(), "raydl-faults")
+
+# faulthandler's words for the fatal signals it catches -> torch's (``strsignal``).
+_SIGNALS = {
+    "Segmentation fault": "Segmentation fault",
+    "Bus error": "Bus error",
+    "Floating-point exception": "Floating point exception",
+    "Aborted": "Aborted",
+    "Illegal instruction": "Illegal instruction",
+}
+_fault_file: Any = None  # kept open for the process's life
+
+
+def _record_faults() -> None:
+    """Have ``faulthandler`` write this process's fatal signal where the trainer looks.
+
+    Called again after the user's code ran (unpickling imports modules that may
+    enable ``faulthandler`` on stderr, so may ``worker_init_fn``): the trainer
+    needs the signal to name it; the worker's stderr would not reach it.
+    """
+    global _fault_file
+    if _fault_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            faulthandler.enable(file=_fault_file, all_threads=False)
+        return
+    with contextlib.suppress(OSError):
+        os.makedirs(FAULTS_DIR, exist_ok=True)
+        _clear_stale_faults()
+        _fault_file = open(os.path.join(FAULTS_DIR, str(os.getpid())), "w")  # noqa: SIM115
+        faulthandler.enable(file=_fault_file, all_threads=False)
+
+
+def _clear_stale_faults() -> None:
+    """Remove the files of processes that are gone and that nobody read (older than a minute)."""
+    for name in os.listdir(FAULTS_DIR):
+        path = os.path.join(FAULTS_DIR, name)
+        with contextlib.suppress(OSError, ValueError):
+            if time.time() - os.path.getmtime(path) < 60:
+                continue
+            try:
+                os.kill(int(name), 0)
+            except ProcessLookupError:
+                os.remove(path)
+
+
+def killed_by(ray_error: BaseException | None) -> str:
+    """torch's words for a worker's death, from Ray's error about it (which names the pid).
+
+    "DataLoader worker (pid N) is killed by signal: Segmentation fault." when the
+    worker (on this machine) recorded a fatal signal, "DataLoader worker (pid N)
+    exited unexpectedly." otherwise (SIGKILL, OOM, another node); "" without a pid.
+    """
+    found = re.search(r"\bpid: (\d+)", str(ray_error or ""))
+    if found is None:
+        return ""
+    pid = found.group(1)
+    path = os.path.join(FAULTS_DIR, pid)
+    signal_name = None
+    with contextlib.suppress(OSError):
+        with open(path) as f:
+            first = f.readline()
+        os.remove(path)
+        words = first.partition("Fatal Python error: ")[2].strip()
+        signal_name = _SIGNALS.get(words)
+    if signal_name is None:
+        return f"DataLoader worker (pid {pid}) exited unexpectedly."
+    return f"DataLoader worker (pid {pid}) is killed by signal: {signal_name}."
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs besides the dataset; identical for all workers of a pool."""
+    """Everything a worker needs besides the dataset; identical for all workers of a pool.
+
+    ``collate_fn`` and ``worker_init_fn`` travel pickled with the dataset, in the
+    pool's payload, fixed for the pool's life (the actors get the spec without
+    them). ``world_size`` and ``rank`` shard a DataPipe across ranks and workers.
+    """
 
     num_workers: int
     collate_fn: Callable[[Any], Any] | None
@@ -40,6 +132,12 @@ class WorkerSpec:
     base_seed: int
     batch_size: int | None = None
     drop_last: bool = False
+    world_size: int = 1
+    rank: int = 0
+
+
+class InitError(ExceptionWrapper):
+    """A worker's start failed (``worker_init_fn``, ``__iter__``): it can load nothing more."""
 
 
 def describe_indices(indices: Sequence[int] | int) -> str:
@@ -53,18 +151,24 @@ def describe_indices(indices: Sequence[int] | int) -> str:
 
 
 class DatasetWorker:
-    """One loader worker; instantiated as a Ray actor by :mod:`raydl._internal.workers.pool`."""
+    """One loader worker; instantiated as a Ray actor by :mod:`raydl._internal.workers.pool`.
 
-    def __init__(self, dataset_ref: list[Any], worker_id: int, spec: WorkerSpec) -> None:
-        self._dataset_ref = dataset_ref
+    ``payload_ref`` holds (nested in a list, so it arrives unresolved) the
+    reference of the pickled ``(dataset, worker_init_fn, collate_fn)``.
+    """
+
+    def __init__(self, payload_ref: list[Any], worker_id: int, spec: WorkerSpec) -> None:
+        _record_faults()
+        self._payload_ref = payload_ref
         self._id = worker_id
         self.reset(spec)
 
     def reset(self, spec: WorkerSpec) -> None:
         """Become a fresh worker, as a newly started torch worker process would be.
 
-        A new copy of the dataset is unpickled, the RNGs are seeded from
-        ``spec.base_seed``, ``get_worker_info()`` is set and ``worker_init_fn``
+        A new copy of the dataset (with its ``worker_init_fn`` and ``collate_fn``)
+        is unpickled, the RNGs are seeded from ``spec.base_seed``,
+        ``get_worker_info()`` is set, a DataPipe is sharded and ``worker_init_fn``
         runs again. Reusing the process this way saves starting one (and
         importing torch in it) every epoch; only module-level state of user code
         outlives an epoch, where a new torch worker process would start clean.
@@ -72,25 +176,35 @@ class DatasetWorker:
         import ray
 
         worker_id = self._id
-        dataset: Dataset[Any] = pickle.loads(ray.get(self._dataset_ref[0]))
-        self._dataset = dataset
+        dataset, init_fn, collate_fn = pickle.loads(ray.get(self._payload_ref[0]))
+        self._dataset: Dataset[Any] = dataset
+        self._collate_fn: Callable[[Any], Any] | None = collate_fn
         self._spec = spec
-        self._init_error: ExceptionWrapper | None = None
+        self._init_error: InitError | None = None
         self._iter: Iterator[Any] | None = None
-        self._exhausted = False
         seed = spec.base_seed + worker_id
         random.seed(seed)
         torch.manual_seed(seed)
+        np.random.seed(torch_worker._generate_state(spec.base_seed, worker_id))
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
         try:
-            if spec.worker_init_fn is not None:
-                spec.worker_init_fn(worker_id)
+            if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+                # torch's _sharding_worker_init_fn: ranks first, then workers.
+                apply_sharding(
+                    dataset,
+                    spec.num_workers * spec.world_size,
+                    worker_id * spec.world_size + spec.rank,
+                )
+            if init_fn is not None:
+                init_fn(worker_id)
         except Exception:
-            self._init_error = ExceptionWrapper(
-                where=f"in worker_init_fn of Ray worker {worker_id}"
-            )
+            self._init_error = InitError(where=f"in worker_init_fn of Ray worker {worker_id}")
+        _record_faults()
+
+    def ready(self) -> None:
+        """Returns once the worker has started (or reset): queued after ``reset``, it waits for it."""
 
     def fetch(self, indices: Sequence[int] | int) -> Any:
         """Load and collate one batch of a map-style dataset (or one sample without batching)."""
@@ -107,30 +221,46 @@ class DatasetWorker:
                     data = [self._dataset[i] for i in indices]
             else:
                 data = self._dataset[indices]
-            if spec.collate_fn is not None:
-                data = spec.collate_fn(data)
+            if self._collate_fn is not None:
+                data = self._collate_fn(data)
         except Exception:
             return ExceptionWrapper(
                 where=f"in Ray worker {self._id} while loading {describe_indices(indices)}"
             )
         return tensors_to_numpy(data)
 
-    def start_iteration(self) -> None:
-        """Begin a fresh pass over an ``IterableDataset`` (one per epoch)."""
-        assert isinstance(self._dataset, IterableDataset)
+    def start_iteration(self, shared_seed: int | None = None) -> None:
+        """Begin a fresh pass over an ``IterableDataset`` (one per epoch).
+
+        ``shared_seed``: the epoch's seed of a DataPipe's shufflers (torch's
+        ``apply_random_seed``), the same in every worker.
+        """
+        dataset = self._dataset
+        assert isinstance(dataset, IterableDataset)
         self._iter = None
-        self._exhausted = False
+        if self._init_error is not None:
+            return
+        try:
+            if shared_seed is not None and isinstance(dataset, IterDataPipe):
+                apply_random_seed(dataset, torch.Generator().manual_seed(shared_seed))
+            self._iter = iter(dataset)
+        except Exception:
+            self._init_error = InitError(
+                where=f"in Ray worker {self._id} while starting to iterate the dataset"
+            )
 
     def next_batch(self) -> Any:
-        """The next batch of an ``IterableDataset``, or :data:`EXHAUSTED`."""
+        """The next batch of an ``IterableDataset``, or :data:`EXHAUSTED`.
+
+        An exception of the dataset's iterator is returned for this batch and the
+        next call goes on with the same iterator, as a torch worker does.
+        """
         if self._init_error is not None:
             return self._init_error
+        if self._iter is None:
+            return EXHAUSTED
         spec = self._spec
         try:
-            if self._iter is None:
-                if self._exhausted:
-                    return EXHAUSTED
-                self._iter = iter(self._dataset)
             if spec.batch_size is None:
                 data = next(self._iter)
             else:
@@ -139,14 +269,14 @@ class DatasetWorker:
                     try:
                         data.append(next(self._iter))
                     except StopIteration:
+                        self._iter = None
                         break
                 if not data or (spec.drop_last and len(data) < spec.batch_size):
                     raise StopIteration
-            if spec.collate_fn is not None:
-                data = spec.collate_fn(data)
+            if self._collate_fn is not None:
+                data = self._collate_fn(data)
         except StopIteration:
             self._iter = None
-            self._exhausted = True
             return EXHAUSTED
         except Exception:
             return ExceptionWrapper(where=f"in Ray worker {self._id} while iterating the dataset")
