@@ -333,9 +333,7 @@ class RayDataLoader(Iterable[Any]):
             order=now.order if now is not None else None,
             worker_seed=self._worker_seed(),
             direct_execution=(record is not None and record.direct) if self._kind == RAY else None,
-            fingerprint=iterator.stats.fingerprint or None
-            if running and iterator is not None
-            else None,
+            fingerprint=(iterator.stats.fingerprint or None) if running and iterator else None,
         )
         return state.to_dict()
 
@@ -453,13 +451,8 @@ class RayDataLoader(Iterable[Any]):
             on_exhausted=started.on_exhausted,
         )
         iterator.log_summary = self.options.log_stats
-        if (
-            resume is not None
-            and resume.batches_consumed
-            and not resume.needs_elastic(self._world.world_size)
-        ):
-            # The resumed epoch's fingerprint goes on from the batches before the save.
-            iterator.stats.fingerprint = resume.fingerprint or ""
+        if resume is not None and not resume.needs_elastic(self._world.world_size):
+            iterator.stats.fingerprint = resume.fingerprint or ""  # goes on from the save
         if self.options.progress_bar:
             iterator.progress = _progress_bar(started.length, record.epoch)
         self._stats.append(iterator.stats)
