@@ -333,7 +333,9 @@ class RayDataLoader(Iterable[Any]):
             order=now.order if now is not None else None,
             worker_seed=self._worker_seed(),
             direct_execution=(record is not None and record.direct) if self._kind == RAY else None,
-            fingerprint=(iterator.stats.fingerprint or None) if running and iterator else None,
+            fingerprint=(iterator.stats.fingerprint or None)
+            if running and iterator is not None
+            else None,
         )
         return state.to_dict()
 
