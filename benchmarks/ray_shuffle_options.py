@@ -66,7 +66,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,6 +75,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from vs_torch.measurement import PeakMemory
 
 NUM_FILES = 24
 NUM_COLUMNS = 16
@@ -281,43 +281,7 @@ def epoch_dataset(base: Any, option: Option, epoch: int) -> tuple[Any, dict[str,
 # ---------------------------------------------------------------------------
 
 
-def tree_pss_bytes() -> int:
-    """PSS of this process and all its descendants (raylet, GCS, Ray workers)."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0
-    for proc in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            total += proc.memory_full_info().pss
-    return total
-
-
-class PeakMemory:
-    """Samples ``tree_pss_bytes`` on a named thread, staying under ~2% of one core."""
-
-    MAX_DUTY = 0.02
-
-    def __init__(self, interval_s: float = 0.25) -> None:
-        self.interval_s = interval_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-pss-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            start = time.perf_counter()
-            self.peak = max(self.peak, tree_pss_bytes())
-            cost = time.perf_counter() - start
-            if self._stop.wait(max(self.interval_s, cost / self.MAX_DUTY)):
-                return
-
-    def stop(self) -> int:
-        """Stop sampling and return the peak in bytes."""
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, tree_pss_bytes())
+# The benchmark's own process-tree PSS sampler (``vs_torch/measurement.py``).
 
 
 @dataclass
