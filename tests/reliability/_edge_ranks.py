@@ -38,7 +38,7 @@ def main(record: str) -> None:
     cases = {
         "ray_one_row": (ray.data.range(1), {"batch_size": 4}),
         "ray_big_batch": (ray.data.range(10), {"batch_size": 64}),
-        "map_one_row": (SizedData(1), {"batch_size": 4}),
+        "map_one_row": (SizedData(1), {"batch_size": 4, "num_workers": 1}),
     }
     results = {}
     for name, (source, kwargs) in cases.items():

@@ -70,10 +70,12 @@ def test_map_style_edge_input_matches_torch(case: str) -> None:
     # torch's workers are processes of their own; the result does not depend on them
     torch_kwargs = {k: v for k, v in kwargs.items() if k != "num_workers"}
     expected = _outcome(lambda: DataLoader(SizedData(n), **torch_kwargs))
-    got = _outcome(lambda: RayDataLoader(SizedData(n), timeout=30, **kwargs))
+    # On Ray actors (num_workers=0 loads in this process, where a timeout cannot apply).
+    on_actors = {"num_workers": 1, **kwargs}
+    got = _outcome(lambda: RayDataLoader(SizedData(n), timeout=30, **on_actors))
     assert got == expected
     if isinstance(expected, list):
-        assert len(RayDataLoader(SizedData(n), **kwargs)) == len(
+        assert len(RayDataLoader(SizedData(n), **on_actors)) == len(
             DataLoader(SizedData(n), **torch_kwargs)
         )
 
@@ -86,8 +88,9 @@ def test_map_style_fewer_rows_than_ranks_pads_like_torch() -> None:
         sampler = DistributedSampler(SizedData(1), num_replicas=2, rank=rank, shuffle=False)
         expected = [b.tolist() for b in DataLoader(SizedData(1), batch_size=2, sampler=sampler)]
         loader = RayDataLoader(
-            SizedData(1), batch_size=2, world=World(rank, 2), ray_address=address, timeout=30
-        )
+            SizedData(1), batch_size=2, world=World(rank, 2), ray_address=address, timeout=30,
+            num_workers=1,
+        )  # fmt: skip
         assert [b.tolist() for b in loader] == expected == [[[0]]], rank
         assert len(loader) == len(expected)
         loader.close()

@@ -189,3 +189,5 @@ def test_the_fingerprint_follows_the_order_of_batches_and_of_rows() -> None:
     assert run([swapped]) != run([a])  # row order (the sampled rows include the first and last)
     assert run([np.array(["u", "v"], dtype=object)]) != run([np.array(["v", "u"], dtype=object)])
     assert run([(torch.zeros(2, 3, 4, 4), 1)]) != run([(torch.zeros(2, 3, 4, 5), 1)])  # shapes
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    assert run([nested]) == run([nested])  # nested tensors have no shape: counted by kind

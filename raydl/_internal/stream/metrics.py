@@ -13,7 +13,8 @@ the batches before it, and the resumed epoch goes on from there). To stay cheap
 :data:`SAMPLED_ROWS` rows at fixed positions of its first array (a tensor, a
 numpy array, another value by ``repr``) and that array's shape. Two orders that
 differ only in rows it does not sample get the same fingerprint; tensors on a device
-(``device=``) count by shape and dtype only (reading them would wait for the copy).
+(``device=``) count by shape and dtype only (reading them would wait for the copy), and
+nested or sparse tensors by layout and dtype.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def _leaves(value: Any, limit: int) -> list[Any]:
 def _sample(leaf: Any) -> bytes:
     """A leaf's shape and the first values of :data:`SAMPLED_ROWS` of its rows."""
     if isinstance(leaf, torch.Tensor):
+        if leaf.is_nested or leaf.layout != torch.strided:  # no plain shape: by kind only
+            return f"{leaf.layout}{leaf.dtype}".encode()
         n = leaf.shape[0] if leaf.ndim else 0
         if leaf.device.type != "cpu" or not n:
             return f"{tuple(leaf.shape)}{leaf.dtype}".encode()
