@@ -42,6 +42,25 @@ def _dataset(folder: Path, **stage: Any) -> Any:
     )
 
 
+def _dies_once_at_file_50(marker: Path) -> Any:
+    """A stage whose process dies (``os._exit``) at file 50's batch, the first time only."""
+
+    def die_once(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if b"50" in batch["bytes"].tolist() and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        return _parse(batch)
+
+    return die_once
+
+
+def reject_seven(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A stage that raises the user's own error at file 7."""
+    if b"7" in batch["bytes"].tolist():
+        raise KeyError("file 7 is corrupt")
+    return _parse(batch)
+
+
 def _epoch(loader: RayDataLoader) -> tuple[list[int], set[int]]:
     ids: list[int] = []
     pids: set[int] = set()
@@ -143,11 +162,6 @@ def test_an_epoch_resumed_at_another_world_size_is_rebuilt_the_same_way(folder: 
 
 @pytest.mark.timeout(120)
 def test_a_stage_error_has_the_users_type_and_names_the_stage_and_files(folder: Path) -> None:
-    def reject_seven(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if b"7" in batch["bytes"].tolist():
-            raise KeyError("file 7 is corrupt")
-        return _parse(batch)
-
     ds = raydl.read_binary_files(str(folder)).map_batches(reject_seven, batch_size=4)
     loader = RayDataLoader(ds, batch_size=4)
     with pytest.raises(KeyError, match="file 7 is corrupt") as info:
@@ -160,13 +174,7 @@ def test_a_stage_error_has_the_users_type_and_names_the_stage_and_files(folder: 
 @pytest.mark.timeout(120)
 def test_a_killed_actor_is_replaced_and_its_runs_loaded_once(folder: Path, tmp_path: Path) -> None:
     marker = tmp_path / "killed"
-
-    def die_once(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if b"50" in batch["bytes"].tolist() and not marker.exists():
-            marker.touch()
-            os._exit(1)
-        return _parse(batch)
-
+    die_once = _dies_once_at_file_50(marker)
     ds = raydl.read_binary_files(str(folder)).map_batches(die_once, batch_size=4)
     loader = RayDataLoader(ds, batch_size=6, shuffle=True, shuffle_mode="files")
     ids, _ = _epoch(loader)
@@ -374,23 +382,12 @@ def test_a_map_phase_survives_a_killed_actor_and_names_a_failing_stage(
     folder: Path, tmp_path: Path
 ) -> None:
     marker = tmp_path / "killed"
-
-    def die_once(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if b"50" in batch["bytes"].tolist() and not marker.exists():
-            marker.touch()
-            os._exit(1)
-        return _parse(batch)
-
+    die_once = _dies_once_at_file_50(marker)
     read = raydl.read_binary_files(str(folder))
     loader = _global(folder, read.map_batches(die_once, batch_size=4))
     assert sorted(_epoch(loader)[0]) == list(range(FILES))
     assert marker.exists(), "the actor was never killed"
     loader.close()
-
-    def reject_seven(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if b"7" in batch["bytes"].tolist():
-            raise KeyError("file 7 is corrupt")
-        return _parse(batch)
 
     failing = _global(folder, read.map_batches(reject_seven, batch_size=4))
     with pytest.raises(KeyError, match="file 7 is corrupt") as info:
