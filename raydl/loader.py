@@ -14,6 +14,7 @@ See ``docs/design.md`` for how each kind of dataset maps onto Ray.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -29,6 +30,7 @@ from raydl._internal.epochs.state import LoaderState
 from raydl._internal.epochs.torch_source import TorchSettings, TorchSource
 from raydl._internal.io import skips
 from raydl._internal.runtime import cluster
+from raydl._internal.runtime.startup import BackgroundStart
 from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.device import CudaCopier, DeviceCopy, resolve_device
 from raydl._internal.stream.epoch_iterator import EpochIterator
@@ -101,6 +103,7 @@ class RayDataLoader(Iterable[Any]):
         log_stats: See :class:`LoaderOptions`.
         device: See :class:`LoaderOptions`.
         world: See :class:`LoaderOptions`.
+        background_start: See :class:`LoaderOptions`.
 
     Under torchrun (several ranks) one Ray cluster and, for ``ray.data.Dataset``
     sources, one pipeline per epoch serve all ranks: rank 0 splits it with
@@ -151,6 +154,7 @@ class RayDataLoader(Iterable[Any]):
         log_stats: bool = False,
         device: str | torch.device | int | None = None,
         world: World | None = None,
+        background_start: bool | None = None,
     ) -> None:
         checked = check(
             dataset,
@@ -179,6 +183,7 @@ class RayDataLoader(Iterable[Any]):
             log_stats=log_stats,
             device=device,
             world=world,
+            background_start=background_start,
         )
         self._world = world if world is not None else World.detect()
         args = with_defaults(checked, dataset, generator=generator, seed=seed, world=self._world)
@@ -254,7 +259,18 @@ class RayDataLoader(Iterable[Any]):
         self._record: EpochRecord | None = None  # the last epoch started
         self._stats: list[EpochStats] = []
         self._pin_warned = False
+        self._startup = self._start_in_background()
         self._initialized = True
+
+    def _start_in_background(self) -> BackgroundStart | None:
+        """Ray and this loader's actors, started now on a daemon thread (``startup.py``)."""
+        source, address = self._source, self.options.ray_address
+        if not self.options.background_start or source.in_process:
+            return None
+        if not cluster.starts_without_collectives(address, self._world):
+            return None  # ranks outside torchrun: iter() joins them over the process group
+        connect = functools.partial(cluster.ensure_ray, address, world=self._world)
+        return BackgroundStart.begin(connect, source.warm())
 
     def __setattr__(self, attr: str, val: Any) -> None:
         if getattr(self, "_initialized", False) and attr in _FROZEN_ATTRS:
@@ -419,7 +435,10 @@ class RayDataLoader(Iterable[Any]):
             # The previous epoch shares this loader's actors or its ranks' collective
             # schedule: it ends here. Otherwise it lives on independently, as in torch.
             self._close_iterator()
-        if not (isinstance(self._source, TorchSource) and self._source.in_process):
+        startup, self._startup = self._startup, None
+        if startup is not None:
+            startup.wait()  # raises what the background start raised
+        if not self._source.in_process:
             cluster.ensure_ray(self.options.ray_address, world=self._world)
         epoch = self._next_epoch
         resume, self._resume = self._resume, None
@@ -483,6 +502,9 @@ class RayDataLoader(Iterable[Any]):
 
     def close(self) -> None:
         """Stop the current epoch and the Ray actors of this loader (it can be iterated again)."""
+        startup, self._startup = getattr(self, "_startup", None), None
+        if startup is not None:
+            startup.cancel()
         self._close_iterator()
         self._source.close()
 

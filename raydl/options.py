@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from raydl._internal.epochs.plan import SHUFFLE_MODES
+from raydl._internal.runtime import env
 from raydl._internal.runtime.world import World
 
 __all__ = ["LoaderOptions"]
@@ -57,6 +58,15 @@ class LoaderOptions:
             batches on the host, as torch does. Without CUDA: a warning, host batches.
         world: This process's rank and world size; ``None`` detects them from
             ``torch.distributed`` or torchrun's variables.
+        background_start: Start Ray and the loader's actors on a daemon thread when
+            the loader is built (and, for ``ray.data.Dataset`` sources on one rank,
+            epoch 0's pipeline), so the seconds a script spends before its first
+            ``iter()`` (building the model, DDP set-up) are not wasted; ``iter()``
+            waits for what is not ready and raises the start's errors. Nothing
+            starts for ``num_workers=0``. Under torchrun the ranks meet through
+            torchrun's key-value store, never a collective. ``False``: everything
+            starts at the first ``iter()``. ``None`` (default): on, unless the
+            environment variable ``RAYDL_BACKGROUND_START`` is ``0``.
     """
 
     seed: int | None = None
@@ -71,8 +81,11 @@ class LoaderOptions:
     log_stats: bool = False
     device: str | torch.device | int | None = None
     world: World | None = None
+    background_start: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.background_start is None:
+            object.__setattr__(self, "background_start", env.background_start_default())
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
         ):
@@ -93,7 +106,13 @@ class LoaderOptions:
                 "worker_options option should be a mapping of Ray actor options, "
                 f"got {type(self.worker_options).__name__}"
             )
-        for name in ("overlap_epochs", "direct_execution", "progress_bar", "log_stats"):
+        for name in (
+            "overlap_epochs",
+            "direct_execution",
+            "progress_bar",
+            "log_stats",
+            "background_start",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} option should be a bool, got {value!r}")

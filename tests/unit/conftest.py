@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import ray
+
+# Loaders built here must not start Ray on a thread of their own (see raydl's
+# background_start option); tests of that start set the option themselves.
+os.environ["RAYDL_BACKGROUND_START"] = "0"
 
 
 class RayStartedInUnitTest(AssertionError):

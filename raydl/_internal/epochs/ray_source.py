@@ -55,6 +55,7 @@ from raydl._internal.epochs.shuffle import rank_seed
 from raydl._internal.epochs.state import LoaderState
 from raydl._internal.ray_compat.datasets import known_row_count, split_coordinator
 from raydl._internal.runtime import cluster
+from raydl._internal.runtime.startup import Warm
 from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.batching import cut_batches
 from raydl._internal.stream.epoch_iterator import Producer
@@ -106,6 +107,10 @@ class RankPlan:
     board: Any = None
 
 
+def _ignore(_: object) -> None:
+    """Nothing to stop."""
+
+
 class RaySource:
     """The epochs of a ``ray.data.Dataset`` or :class:`~raydl.PerEpoch` plan."""
 
@@ -124,6 +129,26 @@ class RaySource:
         self._board: Any = None  # several ranks, exchange epochs: rank 0's board (its actor)
 
     # -- what the loader asks -----------------------------------------------------------
+
+    #: Epochs of Ray Data plans always run on Ray.
+    in_process = False
+
+    def warm(self) -> Warm[None] | None:
+        """What the loader's background start warms: epoch 0, started at construction.
+
+        One rank only (several ranks agree on each epoch at its ``iter()``). Its
+        order is already fixed (the seed is drawn when the loader is built); an
+        ``iter()`` of another epoch, ``set_epoch`` or ``load_state_dict`` discards it
+        as any early epoch.
+        """
+        if self._world.is_distributed:
+            return None
+        return Warm(build=lambda: None, adopt=lambda _: self._start_first(), discard=_ignore)
+
+    def _start_first(self) -> None:
+        with self._lock:
+            if self._expected == 0 and not self._resume_armed and self._next.epoch is None:
+                self._next.start(0, lambda: self._single_rank(0, skip=0))
 
     @property
     def early_epoch(self) -> int | None:

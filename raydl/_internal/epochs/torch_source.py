@@ -39,6 +39,7 @@ from raydl._internal.epochs.resume import map_style_share, sampler_spec
 from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.runtime.cluster import is_connected
 from raydl._internal.runtime.env import ray_address as ray_address_env
+from raydl._internal.runtime.startup import Warm
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.batching import skip_consumed
 from raydl._internal.stream.epoch_iterator import Producer
@@ -91,6 +92,10 @@ class TorchSource:
     def in_process(self) -> bool:
         """Epochs load in the training process (``num_workers=0``, as torch): no Ray."""
         return self._settings.num_workers == 0
+
+    def warm(self) -> Warm[Any] | None:
+        """What the loader's background start warms (nothing yet for torch datasets)."""
+        return None
 
     def _check_cpus(self) -> None:
         """torch's warning when ``num_workers`` exceeds the CPUs the actors may use."""

@@ -7,11 +7,16 @@ When ``RAY_ADDRESS`` or the loader's ``ray_address`` names a cluster, raydl
 joins it instead. If the user already called ``ray.init``, raydl uses that.
 
 Under torchrun (several ranks, no cluster given) rank 0 starts the embedded
-instance and sends its address and auth token to the other ranks over the
-process group; they join it, so one cluster serves every rank. The embedded
-instance is started without torchrun's variables in its environment, so Ray
-worker processes do not believe they are rank 0. Joiners give up on a vanished
-rank-0 cluster after a few seconds instead of Ray's 60.
+instance and hands its address and auth token to the other ranks through
+torchrun's own key-value store (:class:`~raydl._internal.runtime.world.Rendezvous`),
+not through a collective, so the start may run on a background thread while the
+script makes its own collectives (:mod:`raydl._internal.runtime.startup`). Ranks
+launched without torchrun's agent store fall back to a broadcast over the process
+group, on the trainer's thread at ``iter()``. Ray's worker processes see
+torchrun's variables as empty (the job's ``runtime_env``), so they do not believe
+they are rank 0; ``os.environ`` of the training process is never changed, as
+another thread of the script may read it meanwhile. Joiners give up on a
+vanished rank-0 cluster after a few seconds instead of Ray's 60.
 
 If the process that started the embedded instance is killed, a small watcher
 process (:mod:`raydl._internal.runtime.reaper`) stops the instance's processes that
@@ -20,19 +25,22 @@ would otherwise linger for a minute.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from typing import Any
 
 from raydl._internal.runtime import env, reaper
-from raydl._internal.runtime.world import Channel, World
+from raydl._internal.runtime.world import Channel, Rendezvous, World
 from raydl.errors import RayDLError
 
 #: Seconds a joining rank waits for rank 0's cluster to come back before giving up.
 JOINER_RECONNECT_TIMEOUT_S = 5
+#: Seconds the other ranks wait for rank 0 to start the embedded cluster and publish it.
+RANK0_START_TIMEOUT_S = 180
+_CLUSTER_KEY = "cluster"
 
 _lock = threading.Lock()
 _started_by_raydl = False
@@ -54,8 +62,9 @@ def ensure_ray(
             embedded local instance (on rank 0 only, when ``world`` has several ranks).
         num_cpus: CPUs the embedded instance may use (all when ``None``). Ignored
             when joining an existing cluster.
-        world: This process's ranks. With several ranks and no address this is a
-            collective call: every rank must make it.
+        world: This process's ranks. With several ranks and no address every rank
+            must make this call; under torchrun it is no collective (see the module
+            docstring), else it broadcasts over the process group.
     """
     address = address or env.ray_address()
     if world is not None and world.is_distributed and not address:
@@ -64,50 +73,54 @@ def ensure_ray(
     _ensure_ray(address, num_cpus)
 
 
+def starts_without_collectives(address: str | None, world: World) -> bool:
+    """Whether :func:`ensure_ray` makes no collective call for this world (may run on any thread)."""
+    shared = world.is_distributed and not (address or env.ray_address())
+    return not shared or Rendezvous.from_torchrun(world) is not None
+
+
 def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
-    channel = Channel.get(world)
+    rendezvous = Rendezvous.from_torchrun(world)
     if world.rank == 0:
         _ensure_ray(None, num_cpus)
         import ray
 
         handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
+        if rendezvous is not None:
+            rendezvous.publish(_CLUSTER_KEY, json.dumps(handshake))
+        else:
+            Channel.get(world).broadcast(handshake)
+        return
+    if rendezvous is not None:
+        gcs_address, token = json.loads(
+            rendezvous.lookup(_CLUSTER_KEY, RANK0_START_TIMEOUT_S, what="rank 0's Ray cluster")
+        )
     else:
-        handshake = None
-    gcs_address, token = channel.broadcast(handshake)
-    if world.rank != 0:
-        import ray
+        gcs_address, token = Channel.get(world).broadcast(None)
+    import ray
 
-        if ray.is_initialized():
-            mine = ray.get_runtime_context().gcs_address
-            if mine != gcs_address:
-                raise RayDLError(
-                    f"rank {world.rank} is connected to the Ray cluster at {mine}, but rank 0 "
-                    f"runs the job's cluster at {gcs_address}. Something on this rank started "
-                    "Ray before raydl could join rank 0's cluster (ray.data calls such as "
-                    "from_numpy start one implicitly). Call raydl.init() on every rank before "
-                    "creating Ray datasets, or set RAY_ADDRESS to one cluster for all ranks."
-                )
-            return
-        if token:
-            os.environ[env.RAY_AUTH_TOKEN] = token
-        os.environ.setdefault(env.JOINER_RECONNECT_TIMEOUT, str(JOINER_RECONNECT_TIMEOUT_S))
-        _ensure_ray(gcs_address, None)
+    if ray.is_initialized():
+        mine = ray.get_runtime_context().gcs_address
+        if mine != gcs_address:
+            raise RayDLError(
+                f"rank {world.rank} is connected to the Ray cluster at {mine}, but rank 0 "
+                f"runs the job's cluster at {gcs_address}. Something on this rank started "
+                "Ray before raydl could join rank 0's cluster (ray.data calls such as "
+                "from_numpy start one implicitly). Call raydl.init() on every rank before "
+                "creating Ray datasets, or set RAY_ADDRESS to one cluster for all ranks."
+            )
+        return
+    _ensure_ray(gcs_address, None, token=token)
 
 
-@contextlib.contextmanager
-def _without_torchrun_env() -> Iterator[None]:
-    saved = {name: os.environ.pop(name) for name in env.TORCHRUN_VARS if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
+def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None = None) -> None:
     global _started_by_raydl
     with _lock:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             return
+        if token:
+            os.environ[env.RAY_AUTH_TOKEN] = token  # rank 0's, to join its cluster
+            os.environ.setdefault(env.JOINER_RECONNECT_TIMEOUT, str(JOINER_RECONNECT_TIMEOUT_S))
         token_auth = env.ensure_token_auth_mode()
         import ray
 
@@ -126,18 +139,24 @@ def _ensure_ray(address: str | None, num_cpus: int | None) -> None:
             ray.init(address=address, **common)  # type: ignore[arg-type]
         else:
             before = reaper.ray_children(os.getpid())
-            with _without_torchrun_env():
-                ray.init(
-                    address="local",  # a new instance, never another process's cluster
-                    num_cpus=num_cpus,
-                    include_dashboard=False,
-                    dashboard_host="127.0.0.1",  # should any dashboard server start anyway
-                    **common,  # type: ignore[arg-type]
-                )
+            ray.init(
+                address="local",  # a new instance, never another process's cluster
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                dashboard_host="127.0.0.1",  # should any dashboard server start anyway
+                runtime_env=_worker_env(),
+                **common,  # type: ignore[arg-type]
+            )
             _started_by_raydl = True
             # Should this process be SIGKILLed, no Ray process of the instance outlives it long.
             reaper.start(os.getpid(), reaper.ray_children(os.getpid()) - before)
         _quiet_ray_data()
+
+
+def _worker_env() -> dict[str, Any] | None:
+    """The job's ``runtime_env``: torchrun's variables blanked in Ray's worker processes."""
+    present = [name for name in env.TORCHRUN_VARS if name in os.environ]
+    return {"env_vars": dict.fromkeys(present, "")} if present else None
 
 
 def _quiet_ray_data() -> None:

@@ -28,6 +28,15 @@ def ensure_token_auth_mode() -> bool:
     return mode.lower() == "token"
 
 
+#: ``0`` turns the loader's background start off by default (the ``background_start`` option).
+BACKGROUND_START = "RAYDL_BACKGROUND_START"
+
+
+def background_start_default() -> bool:
+    """The ``background_start`` option when the loader is not given one: on unless ``RAYDL_BACKGROUND_START=0``."""
+    return os.environ.get(BACKGROUND_START, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 #: Variables torchrun sets for each rank; Ray processes started by a rank must not inherit them.
 TORCHRUN_VARS = (
     "RANK",
@@ -55,13 +64,31 @@ JOINER_RECONNECT_TIMEOUT = "RAY_gcs_rpc_server_reconnect_timeout_s"
 
 def torchrun_world() -> tuple[int, int, int] | None:
     """``(rank, world_size, local_rank)`` from torchrun's variables, or ``None`` outside torchrun."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    # Empty in Ray's worker processes started by a rank (cluster.py blanks them there).
+    if not os.environ.get("RANK") or not os.environ.get("WORLD_SIZE"):
         return None
     return (
         int(os.environ["RANK"]),
         int(os.environ["WORLD_SIZE"]),
-        int(os.environ.get("LOCAL_RANK", "0")),
+        int(os.environ.get("LOCAL_RANK") or 0),
     )
+
+
+def torchrun_store() -> tuple[str, int, str] | None:
+    """``(host, port, key prefix)`` of torchrun's agent store, or ``None`` without one.
+
+    torchrun's agent hosts a key-value store at ``MASTER_ADDR:MASTER_PORT`` for the
+    whole run (``TORCHELASTIC_USE_AGENT_STORE``); the prefix names this run and
+    restart, so a restarted job never reads a value of the previous attempt.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or "none"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    return host, int(port), f"raydl/{run}/{restart}/"
 
 
 def ray_auth_token() -> str | None:

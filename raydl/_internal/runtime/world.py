@@ -112,3 +112,51 @@ class Channel:
                 f"({err}). A rank has died or fell behind; see its log. Raise the loader's "
                 "`timeout` if ranks legitimately take longer."
             ) from err
+
+
+class Rendezvous:
+    """Values rank 0 publishes and the other ranks look up, through torchrun's agent store.
+
+    No collective: any thread may use it, in any order against the script's own
+    collectives (a broadcast from a background thread on the default process group
+    could pair with the wrong call or deadlock). Only under torchrun, whose agent
+    hosts the store for the whole run (:func:`raydl._internal.runtime.env.torchrun_store`).
+    """
+
+    def __init__(self, world: World, host: str, port: int, prefix: str) -> None:
+        self.world = world
+        self._address = (host, port)
+        self._prefix = prefix
+
+    @classmethod
+    def from_torchrun(cls, world: World) -> Rendezvous | None:
+        """The run's rendezvous, or ``None`` outside torchrun (no agent store to use)."""
+        store = env.torchrun_store()
+        return None if store is None else cls(world, *store)
+
+    def _store(self, timeout_s: float) -> Any:
+        import torch.distributed as dist
+
+        host, port = self._address
+        return dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+
+    def publish(self, key: str, value: str) -> None:
+        """Set ``key`` for this run (rank 0)."""
+        self._store(60).set(self._prefix + key, value)
+
+    def lookup(self, key: str, timeout_s: float, *, what: str) -> str:
+        """``key``'s value once rank 0 published it; fail within ``timeout_s`` naming ``what``."""
+        try:
+            return bytes(self._store(timeout_s).get(self._prefix + key)).decode()
+        except RuntimeError as err:  # torch's DistStoreError is a RuntimeError
+            raise RayDLError(
+                f"rank {self.world.rank}: {what} was not published within {timeout_s:g} s "
+                f"through torchrun's store ({err}). Rank 0 has died or is still starting; "
+                "see its log."
+            ) from err
