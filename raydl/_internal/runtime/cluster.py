@@ -25,11 +25,14 @@ would otherwise linger for a minute.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from raydl._internal.runtime import env, reaper
@@ -44,6 +47,7 @@ _CLUSTER_KEY = "cluster"
 
 _lock = threading.Lock()
 _started_by_raydl = False
+_owner_stop: threading.Event | None = None  # parks the thread that started the instance
 
 
 def is_connected() -> bool:
@@ -130,27 +134,87 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
             from raydl._internal.ray_compat import cluster as ray_core
 
             ray_core.reload_config()
-        common = {
+        common: dict[str, Any] = {
             "logging_level": logging.WARNING,
             "log_to_driver": True,
             "ignore_reinit_error": True,
         }
         if address:
-            ray.init(address=address, **common)  # type: ignore[arg-type]
+            ray.init(address=address, **common)
         else:
-            before = reaper.ray_children(os.getpid())
-            ray.init(
-                address="local",  # a new instance, never another process's cluster
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                dashboard_host="127.0.0.1",  # should any dashboard server start anyway
-                runtime_env=_worker_env(),
-                **common,  # type: ignore[arg-type]
+            # Should this process die (SIGKILL, a Ctrl-C during ray.init), no Ray process
+            # of the instance outlives it long.
+            reaper.start(os.getpid(), reaper.ray_children(os.getpid()))
+            _on_a_lasting_thread(
+                functools.partial(
+                    ray.init,
+                    address="local",  # a new instance, never another process's cluster
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    dashboard_host="127.0.0.1",  # should any dashboard server start anyway
+                    runtime_env=_worker_env(),
+                    **common,
+                )
             )
             _started_by_raydl = True
-            # Should this process be SIGKILLed, no Ray process of the instance outlives it long.
-            reaper.start(os.getpid(), reaper.ray_children(os.getpid()) - before)
         _quiet_ray_data()
+
+
+def _on_a_lasting_thread(start: Callable[[], Any]) -> None:
+    """Run ``start`` (the embedded instance's ``ray.init``) on a thread that outlives it.
+
+    Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG``, which Linux ties to
+    the *thread* that started them: were it a thread that ends (a loader's
+    background start), they would be SIGKILLed with it. So off the main thread the
+    start runs on a daemon thread that then parks until :func:`shutdown`. Ray does
+    not install its SIGTERM handler there; a SIGTERMed trainer dies at once, and
+    the reaper stops what is left of the instance.
+    """
+    global _owner_stop
+    if threading.current_thread() is threading.main_thread():
+        start()
+        return
+    started, stop = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def own() -> None:
+        try:
+            with _without_warning(SIGTERM_WARNING):
+                start()
+        except BaseException as err:  # raised by the caller, below
+            failed.append(err)
+            return
+        finally:
+            started.set()
+        stop.wait()
+
+    threading.Thread(target=own, name="raydl-ray-owner", daemon=True).start()
+    started.wait()
+    if failed:
+        raise failed[0]
+    _owner_stop = stop
+
+
+#: What Ray logs when ``ray.init`` runs off the main thread; raydl's choice, not news.
+SIGTERM_WARNING = "SIGTERM handler is not set"
+
+
+@contextlib.contextmanager
+def _without_warning(text: str) -> Iterator[None]:
+    """Drop Ray's log records containing ``text`` meanwhile."""
+    ray_logger = logging.getLogger("ray")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    targets = [ray_logger, *ray_logger.handlers, *logging.getLogger("ray._private.worker").handlers]
+    for target in targets:
+        target.addFilter(keep)
+    try:
+        yield
+    finally:
+        for target in targets:
+            target.removeFilter(keep)
 
 
 def _worker_env() -> dict[str, Any] | None:
@@ -189,3 +253,7 @@ def shutdown() -> None:
 
             ray.shutdown()
             _started_by_raydl = False
+        global _owner_stop
+        stop, _owner_stop = _owner_stop, None
+        if stop is not None:
+            stop.set()  # the instance is gone: its starting thread may end

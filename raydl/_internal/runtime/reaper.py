@@ -9,7 +9,8 @@ pre-empting the job) would leave them behind for a minute, every time.
 
 When raydl starts the embedded instance it also starts this file as a small
 separate process (standard library only; run by path, so it imports neither
-raydl nor torch). It follows the Ray processes started by ``ray.init`` and their
+raydl nor torch), before ``ray.init``, so that an interrupted start is covered
+too. It follows the Ray processes the driver starts from then on and their
 descendants, and once the driver is gone it SIGKILLs what is left of them. It
 exits by itself once they are all gone (``ray.shutdown()``). Linux only (it
 reads ``/proc``); elsewhere nothing is started.
@@ -92,14 +93,19 @@ def _alive_with_descendants(procs: set[Proc]) -> set[Proc]:
     return found
 
 
-def start(driver: int, roots: set[Proc]) -> None:
-    """Watch ``roots`` (Ray processes the ``driver`` started) from a separate process."""
-    if not roots or not sys.platform.startswith("linux"):
+def start(driver: int, exclude: set[Proc]) -> None:
+    """Watch, from a separate process, the Ray processes ``driver`` starts from now on.
+
+    Started before ``ray.init``: a Ctrl-C or a kill in the middle of Ray's own start
+    leaves nothing behind either. ``exclude``: Ray children the driver already has
+    (another instance's), which are not this watcher's.
+    """
+    if not sys.platform.startswith("linux"):
         return
     driver_start = _stat(driver)
     if driver_start is None:
         return
-    args = [f"{pid}:{start}" for pid, start in sorted(roots)]
+    args = [f"{pid}:{start}" for pid, start in sorted(exclude)]
     subprocess.Popen(
         [
             sys.executable,
@@ -122,19 +128,25 @@ def _parse(arg: str) -> Proc:
     return int(pid), int(start)
 
 
-def watch(driver: Proc, roots: set[Proc]) -> None:
-    """Follow ``roots`` and their descendants; once the driver is gone, SIGKILL them all.
+def watch(driver: Proc, exclude: set[Proc]) -> None:
+    """Follow the driver's new Ray children and their descendants; SIGKILL them once it is gone.
 
     A process stays followed while it lives, also after its parent died (the
-    raylet's agents outlive it). Returns when nothing followed is left.
+    raylet's agents outlive it). Returns when the driver is gone, or when
+    everything followed has exited (``ray.shutdown()``).
     """
-    tracked = roots
+    tracked: set[Proc] = set()
+    followed_any = False
     while True:
         stat = _stat(driver[0])
         driver_alive = stat is not None and stat[1] == driver[1]
+        if driver_alive:
+            tracked |= ray_children(driver[0]) - exclude
         tracked = _alive_with_descendants(tracked)
-        if not tracked:
-            return  # ray.shutdown(): nothing left to watch
+        if tracked:
+            followed_any = True
+        elif followed_any or not driver_alive:
+            return  # ray.shutdown(), or a driver that never started Ray
         if not driver_alive:
             for pid, _ in tracked:
                 with contextlib.suppress(OSError):  # it exited meanwhile
