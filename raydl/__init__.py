@@ -4,6 +4,8 @@ Example:
     >>> from raydl import RayDataLoader as DataLoader  # the one-line change
 """
 
+# First: a Ctrl-C must end the process as interrupted, also once Ray is imported.
+from raydl._internal.runtime import interrupt as _interrupt  # noqa: F401
 from raydl._internal.runtime.world import World
 from raydl.errors import (
     LoaderTimeoutError,
