@@ -44,6 +44,7 @@ from raydl._internal.io.fs import (
     LISTING_OPTIONS,
     RemoteHandler,
     RetryPolicy,
+    check_paths_exist,
     describe_endpoint,
     list_files,
     to_pyarrow,
@@ -240,9 +241,9 @@ def read_parquet(
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
-    cluster.ensure_ray()
     user_skips = ray_options.pop("skip_paths", None) or []
     user_skips = [user_skips] if isinstance(user_skips, (str, os.PathLike)) else list(user_skips)
+    # Listed before Ray starts: a wrong path is named at once, not after Ray's start-up.
     files = list_files(
         fs,
         stripped,
@@ -250,7 +251,10 @@ def read_parquet(
         ignore_missing_paths=bool(ray_options.get("ignore_missing_paths", False)),
         partition_filter=ray_options.get("partition_filter"),
         exclude=frozenset(os.fspath(p) for p in user_skips),
+        reader="read_parquet",
+        written=_as_path_list(paths),
     )
+    cluster.ensure_ray()
     return parquet.read_dataset(
         fs,
         files,
@@ -311,10 +315,19 @@ def read_images(
     import ray.data
 
     from raydl._internal.io import skips
+    from raydl._internal.ray_compat import reads
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
+    )
+    _check_before_ray(
+        "read_images",
+        fs,
+        stripped,
+        _as_path_list(paths),
+        ray_options,
+        default_extensions=reads.IMAGE_EXTENSIONS,
     )
     cluster.ensure_ray()
     if policy == "raise":
@@ -326,8 +339,6 @@ def read_images(
             mode=mode,
             **ray_options,
         )
-    from raydl._internal.ray_compat import reads
-
     ray_options.setdefault("file_extensions", reads.IMAGE_EXTENSIONS)
     return _read_skipping(
         skips.SkippingImageDatasource,
@@ -390,20 +401,26 @@ def read_binary_files(
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
-    cluster.ensure_ray()
+    written = _as_path_list(paths)
     if set(ray_options) <= LISTING_OPTIONS | READ_DATASOURCE_OPTIONS:
-        # raydl's own reader: many files per task (Ray's costs ~1 ms of CPU per file).
+        # raydl's own reader: many files per task (Ray's costs ~1 ms of CPU per file),
+        # listed before Ray starts (a wrong path is named at once).
         files = list_files(
             fs,
             stripped,
             file_extensions=ray_options.pop("file_extensions", None),
             ignore_missing_paths=bool(ray_options.pop("ignore_missing_paths", False)),
             partition_filter=ray_options.pop("partition_filter", None),
+            reader="read_binary_files",
+            written=written,
         )
+        cluster.ensure_ray()
         if policy == "skip":
             skips.ledger()  # owned by this driver, so it lives as long as the job
         source = FileListDatasource(files, fs, include_paths=include_paths, on_bad_file=policy)
         return ray.data.read_datasource(source, **ray_options)
+    _check_before_ray("read_binary_files", fs, stripped, written, ray_options)
+    cluster.ensure_ray()
     if policy == "raise":
         return ray.data.read_binary_files(
             stripped, filesystem=fs, include_paths=include_paths, **ray_options
@@ -449,6 +466,38 @@ def _read_skipping(
     skips.ledger()  # owned by this driver, so it lives as long as the job
     datasource = datasource_cls(paths, filesystem=filesystem, **datasource_options, **source_kwargs)
     return ray.data.read_datasource(datasource, **read_kwargs)
+
+
+def _check_before_ray(
+    reader: str,
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    written: list[str],
+    ray_options: Mapping[str, Any],
+    *,
+    default_extensions: list[str] | None = None,
+) -> None:
+    """For a read whose listing is Ray Data's: its path errors before Ray starts.
+
+    A local filesystem is listed here as Ray would list it (milliseconds), so a
+    folder without matching files is named too; a remote one only has each path
+    looked up (a missing prefix), not listed twice.
+    """
+    ignore_missing = bool(ray_options.get("ignore_missing_paths", False))
+    if not isinstance(filesystem, pafs.LocalFileSystem):
+        check_paths_exist(
+            filesystem, paths, reader=reader, written=written, ignore_missing_paths=ignore_missing
+        )
+        return
+    list_files(
+        filesystem,
+        paths,
+        file_extensions=ray_options.get("file_extensions", default_extensions),
+        ignore_missing_paths=ignore_missing,
+        partition_filter=ray_options.get("partition_filter"),
+        reader=reader,
+        written=written,
+    )
 
 
 def _as_path_list(paths: PathsLike) -> list[str]:
