@@ -11,7 +11,10 @@ is iterated (for example by :class:`raydl.RayDataLoader`), and
 ``map_batches``/``filter`` work as usual. This module holds the public readers and
 their argument checks; the work is in ``raydl._internal.io``.
 
-Listing: a prefix is listed when the plan is built, on the driver. Its
+Listing: a prefix is listed when the plan is built, on the driver. raydl's own
+listing runs before Ray starts (where Ray's readers list, the paths are looked up
+first), so a missing path or a folder without matching files is an error at once,
+naming the path as written and what was looked for. Its
 immediate sub-prefixes (e.g. ``train/<label>/``) are listed in parallel threads,
 each recursively, so a bucket with many labels does not page through one
 listing serially; the file list and its (sorted) order are the same as a
@@ -219,7 +222,9 @@ def read_parquet(
         A ``ray.data.Dataset``; nothing has been read but the files' metadata.
 
     Raises:
-        FileNotFoundError: A path does not exist (the message names it).
+        FileNotFoundError: A path does not exist, or no ``.parquet`` file is
+            under them (the message names the paths as written and what was
+            looked for); raised before Ray starts.
         ValueError: With ``on_bad_file="raise"``, a file is empty or its
             footer cannot be read (the message names it); with ``"skip"``,
             no readable file is left.
@@ -300,6 +305,11 @@ def read_images(
 
     Returns:
         A ``ray.data.Dataset`` with ``image`` (uint8 arrays) and ``path`` columns.
+
+    Raises:
+        FileNotFoundError: A path does not exist, or (on a local disk) no image
+            file is under them; raised before Ray starts, naming the paths as
+            written. Under a remote prefix Ray's listing reports an empty one.
 
     Example:
         >>> import raydl
@@ -386,6 +396,11 @@ def read_binary_files(
 
     Returns:
         A ``ray.data.Dataset`` with ``bytes`` and ``path`` columns.
+
+    Raises:
+        FileNotFoundError: A path does not exist, or no file is under them
+            (raydl's own reader, or any local disk); raised before Ray starts,
+            naming the paths as written.
 
     Example:
         >>> import raydl
