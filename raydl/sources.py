@@ -11,7 +11,10 @@ is iterated (for example by :class:`raydl.RayDataLoader`), and
 ``map_batches``/``filter`` work as usual. This module holds the public readers and
 their argument checks; the work is in ``raydl._internal.io``.
 
-Listing: a prefix is listed when the plan is built, on the driver. Its
+Listing: a prefix is listed when the plan is built, on the driver. raydl's own
+listing runs before Ray starts (where Ray's readers list, the paths are looked up
+first), so a missing path or a folder without matching files is an error at once,
+naming the path as written and what was looked for. Its
 immediate sub-prefixes (e.g. ``train/<label>/``) are listed in parallel threads,
 each recursively, so a bucket with many labels does not page through one
 listing serially; the file list and its (sorted) order are the same as a
@@ -44,6 +47,7 @@ from raydl._internal.io.fs import (
     LISTING_OPTIONS,
     RemoteHandler,
     RetryPolicy,
+    check_paths_exist,
     describe_endpoint,
     list_files,
     to_pyarrow,
@@ -218,7 +222,9 @@ def read_parquet(
         A ``ray.data.Dataset``; nothing has been read but the files' metadata.
 
     Raises:
-        FileNotFoundError: A path does not exist (the message names it).
+        FileNotFoundError: A path does not exist, or no ``.parquet`` file is
+            under them (the message names the paths as written and what was
+            looked for); raised before Ray starts.
         ValueError: With ``on_bad_file="raise"``, a file is empty or its
             footer cannot be read (the message names it); with ``"skip"``,
             no readable file is left.
@@ -240,9 +246,9 @@ def read_parquet(
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
-    cluster.ensure_ray()
     user_skips = ray_options.pop("skip_paths", None) or []
     user_skips = [user_skips] if isinstance(user_skips, (str, os.PathLike)) else list(user_skips)
+    # Listed before Ray starts: a wrong path is named at once, not after Ray's start-up.
     files = list_files(
         fs,
         stripped,
@@ -250,7 +256,10 @@ def read_parquet(
         ignore_missing_paths=bool(ray_options.get("ignore_missing_paths", False)),
         partition_filter=ray_options.get("partition_filter"),
         exclude=frozenset(os.fspath(p) for p in user_skips),
+        reader="read_parquet",
+        written=_as_path_list(paths),
     )
+    cluster.ensure_ray()
     return parquet.read_dataset(
         fs,
         files,
@@ -297,6 +306,11 @@ def read_images(
     Returns:
         A ``ray.data.Dataset`` with ``image`` (uint8 arrays) and ``path`` columns.
 
+    Raises:
+        FileNotFoundError: A path does not exist, or (on a local disk) no image
+            file is under them; raised before Ray starts, naming the paths as
+            written. Under a remote prefix Ray's listing reports an empty one.
+
     Example:
         >>> import raydl
         >>> ds = raydl.read_images(  # doctest: +SKIP
@@ -311,10 +325,19 @@ def read_images(
     import ray.data
 
     from raydl._internal.io import skips
+    from raydl._internal.ray_compat import reads
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
+    )
+    _check_before_ray(
+        "read_images",
+        fs,
+        stripped,
+        _as_path_list(paths),
+        ray_options,
+        default_extensions=reads.IMAGE_EXTENSIONS,
     )
     cluster.ensure_ray()
     if policy == "raise":
@@ -326,8 +349,6 @@ def read_images(
             mode=mode,
             **ray_options,
         )
-    from raydl._internal.ray_compat import reads
-
     ray_options.setdefault("file_extensions", reads.IMAGE_EXTENSIONS)
     return _read_skipping(
         skips.SkippingImageDatasource,
@@ -376,6 +397,11 @@ def read_binary_files(
     Returns:
         A ``ray.data.Dataset`` with ``bytes`` and ``path`` columns.
 
+    Raises:
+        FileNotFoundError: A path does not exist, or no file is under them
+            (raydl's own reader, or any local disk); raised before Ray starts,
+            naming the paths as written.
+
     Example:
         >>> import raydl
         >>> ds = raydl.read_binary_files("s3://bucket/raw/", storage_options=opts)  # doctest: +SKIP
@@ -390,20 +416,26 @@ def read_binary_files(
     stripped, fs = resolve_filesystem(
         paths, filesystem=filesystem, storage_options=storage_options, cache=cache, retry=retry
     )
-    cluster.ensure_ray()
+    written = _as_path_list(paths)
     if set(ray_options) <= LISTING_OPTIONS | READ_DATASOURCE_OPTIONS:
-        # raydl's own reader: many files per task (Ray's costs ~1 ms of CPU per file).
+        # raydl's own reader: many files per task (Ray's costs ~1 ms of CPU per file),
+        # listed before Ray starts (a wrong path is named at once).
         files = list_files(
             fs,
             stripped,
             file_extensions=ray_options.pop("file_extensions", None),
             ignore_missing_paths=bool(ray_options.pop("ignore_missing_paths", False)),
             partition_filter=ray_options.pop("partition_filter", None),
+            reader="read_binary_files",
+            written=written,
         )
+        cluster.ensure_ray()
         if policy == "skip":
             skips.ledger()  # owned by this driver, so it lives as long as the job
         source = FileListDatasource(files, fs, include_paths=include_paths, on_bad_file=policy)
         return ray.data.read_datasource(source, **ray_options)
+    _check_before_ray("read_binary_files", fs, stripped, written, ray_options)
+    cluster.ensure_ray()
     if policy == "raise":
         return ray.data.read_binary_files(
             stripped, filesystem=fs, include_paths=include_paths, **ray_options
@@ -449,6 +481,38 @@ def _read_skipping(
     skips.ledger()  # owned by this driver, so it lives as long as the job
     datasource = datasource_cls(paths, filesystem=filesystem, **datasource_options, **source_kwargs)
     return ray.data.read_datasource(datasource, **read_kwargs)
+
+
+def _check_before_ray(
+    reader: str,
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    written: list[str],
+    ray_options: Mapping[str, Any],
+    *,
+    default_extensions: list[str] | None = None,
+) -> None:
+    """For a read whose listing is Ray Data's: its path errors before Ray starts.
+
+    A local filesystem is listed here as Ray would list it (milliseconds), so a
+    folder without matching files is named too; a remote one only has each path
+    looked up (a missing prefix), not listed twice.
+    """
+    ignore_missing = bool(ray_options.get("ignore_missing_paths", False))
+    if not isinstance(filesystem, pafs.LocalFileSystem):
+        check_paths_exist(
+            filesystem, paths, reader=reader, written=written, ignore_missing_paths=ignore_missing
+        )
+        return
+    list_files(
+        filesystem,
+        paths,
+        file_extensions=ray_options.get("file_extensions", default_extensions),
+        ignore_missing_paths=ignore_missing,
+        partition_filter=ray_options.get("partition_filter"),
+        reader=reader,
+        written=written,
+    )
 
 
 def _as_path_list(paths: PathsLike) -> list[str]:

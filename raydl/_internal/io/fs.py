@@ -48,9 +48,11 @@ __all__ = [
     "RemoteHandler",
     "RemoteReadError",
     "RetryPolicy",
+    "check_paths_exist",
     "describe_endpoint",
     "flush_cache",
     "list_files",
+    "missing_path_error",
     "to_pyarrow",
     "without_cache",
 ]
@@ -405,6 +407,8 @@ def list_files(
     ignore_missing_paths: bool = False,
     partition_filter: Callable[[list[str]], list[str]] | None = None,
     exclude: frozenset[str] = frozenset(),
+    reader: str | None = None,
+    written: list[str] | None = None,
 ) -> list[tuple[str, int | None]]:
     """``(path, size)`` of the files Ray Data's file readers would read under ``paths``.
 
@@ -413,15 +417,25 @@ def list_files(
     ``.`` or ``_``; then ``file_extensions`` (case-insensitive) and
     ``partition_filter`` apply. Paths in ``exclude`` are left out.
 
+    Args:
+        reader: The public reader that lists (``"read_parquet"``): its errors start
+            with its name, and finding no file at all is an error too.
+        written: ``paths`` as the user wrote them (with their scheme), for errors.
+
     Raises:
-        FileNotFoundError: A path does not exist (unless ``ignore_missing_paths``).
+        FileNotFoundError: A path does not exist (unless ``ignore_missing_paths``),
+            or, with ``reader``, no file is left; the message names the paths as
+            written, what was looked for and the fix.
     """
     extensions = None
     if file_extensions is not None:
         extensions = tuple("." + e.lower().lstrip(".") for e in file_extensions)
+    shown = dict(zip(paths, written or paths, strict=True))
+    excluded: list[str] = []  # appended from the listing threads
 
     def expand(path: str) -> list[tuple[str, int | None]]:
         if path in exclude:
+            excluded.append(path)
             return []
         info = filesystem.get_file_info(path)
         if info.type == pafs.FileType.File:
@@ -429,14 +443,17 @@ def list_files(
         if info.type == pafs.FileType.NotFound:
             if ignore_missing_paths:
                 return []
-            raise FileNotFoundError(path)
+            raise missing_path_error(filesystem, shown[path], reader)
         selector = pafs.FileSelector(path, recursive=True, allow_not_found=ignore_missing_paths)
         out = []
         for entry in filesystem.get_file_info(selector):
             if not entry.is_file or not entry.path.startswith(selector.base_dir):
                 continue
             relative = entry.path[len(selector.base_dir) :].lstrip("/")
-            if relative.startswith((".", "_")) or entry.path in exclude:
+            if relative.startswith((".", "_")):
+                continue
+            if entry.path in exclude:
+                excluded.append(entry.path)
                 continue
             out.append((entry.path, entry.size))
         return sorted(out)
@@ -448,10 +465,96 @@ def list_files(
             max_workers=min(LISTING_THREADS, len(paths)), thread_name_prefix="raydl-list"
         ) as pool:
             expanded = list(pool.map(expand, paths))
-    files = [f for part in expanded for f in part]
+    listed = [f for part in expanded for f in part]
+    files = listed
     if extensions is not None:
         files = [f for f in files if f[0].lower().endswith(extensions)]
+    matched = len(files)
     if partition_filter is not None and files:
         kept = set(partition_filter([p for p, _ in files]))
         files = [f for f in files if f[0] in kept]
+    if not files and reader is not None:
+        where = _describe_paths([shown[p] for p in paths], filesystem)
+        if matched:
+            raise FileNotFoundError(
+                f"{reader}: partition_filter left none of the {matched} files under {where}; "
+                "check that it returns the paths it keeps, as they are listed"
+            )
+        if excluded and not listed:
+            raise FileNotFoundError(
+                f"{reader}: skip_paths left none of the {len(excluded)} files under {where}; "
+                "leave out fewer of them"
+            )
+        raise FileNotFoundError(_no_files_message(reader, where, extensions, listed))
     return files
+
+
+def missing_path_error(
+    filesystem: pafs.FileSystem, written: str, reader: str | None
+) -> FileNotFoundError:
+    """The error for a path of a reader (``reader``) that does not exist (``written``: as the user wrote it)."""
+    prefix = f"{reader}: " if reader else ""
+    return FileNotFoundError(
+        f"{prefix}path {written!r} does not exist{_at(filesystem)}. Check its spelling and that "
+        "it is reachable from this machine, or pass ignore_missing_paths=True to read the paths "
+        "that exist"
+    )
+
+
+def check_paths_exist(
+    filesystem: pafs.FileSystem,
+    paths: list[str],
+    *,
+    reader: str,
+    written: list[str],
+    ignore_missing_paths: bool,
+) -> None:
+    """Raise :func:`missing_path_error` for the first of ``paths`` that does not exist.
+
+    For the readers that leave the listing to Ray Data: a missing path is named
+    before Ray starts (one metadata lookup per path, no listing).
+    """
+    if ignore_missing_paths:
+        return
+    infos = filesystem.get_file_info(paths)
+    for info, shown in zip(infos, written, strict=True):
+        if info.type == pafs.FileType.NotFound:
+            raise missing_path_error(filesystem, shown, reader)
+
+
+def _at(filesystem: pafs.FileSystem) -> str:
+    handler = getattr(filesystem, "handler", None)
+    return f" at {handler.endpoint}" if isinstance(handler, RemoteHandler) else ""
+
+
+def _describe_paths(written: list[str], filesystem: pafs.FileSystem) -> str:
+    shown = repr(written[0]) if len(written) == 1 else f"{written[:3]!r}"
+    if len(written) > 3:
+        shown = f"{shown[:-1]}, ...] ({len(written)} paths)"
+    return f"{shown}{_at(filesystem)}"
+
+
+def _no_files_message(
+    reader: str,
+    where: str,
+    extensions: tuple[str, ...] | None,
+    listed: list[tuple[str, int | None]],
+) -> str:
+    """Why a listing found no file to read: what was looked for, what was there, the fix."""
+    hidden = "names starting with '.' or '_' are left out"
+    if extensions is None:
+        return (
+            f"{reader} found no files under {where} ({hidden}). Point paths at the files "
+            "or their folder"
+        )
+    looked_for = " or ".join(extensions)
+    if not listed:
+        others = "no other files"
+    else:
+        plural = "file" if len(listed) == 1 else "files"
+        others = f"{len(listed)} other {plural}, e.g. {listed[0][0]!r}"
+    return (
+        f"{reader} found no files ending in {looked_for} under {where} ({others}; {hidden}). "
+        "Point paths at the files or their folder, or pass file_extensions=[...] to read "
+        "files named otherwise"
+    )

@@ -5,7 +5,9 @@ The dataset is pickled once into the object store, together with the
 worker process in one go, so references between them survive: a bound method
 of the dataset, globals of the training script that both read); each actor
 unpickles its own copy (writable, as in a torch worker process). The pool
-holds the reference, so a restarted actor can load it again.
+holds the reference, so a restarted actor can load it again. A payload that
+cannot be pickled is an error naming the part that cannot
+(:mod:`~raydl._internal.workers.payload`), raised before any actor starts.
 
 What one payload can share, pickled by value with cloudpickle: functions and
 classes of ``__main__`` in the payload share one globals dict per worker, so a
@@ -31,10 +33,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ray import cloudpickle  # Ray's own copy: the workers unpickle with it too
 from torch.utils.data import Dataset
 
 from raydl._internal.runtime.cluster import is_connected
+from raydl._internal.workers.payload import pickle_payload
 from raydl._internal.workers.worker import DatasetWorker, WorkerSpec
 
 #: How often one batch is retried on a fresh worker after the worker loading it died.
@@ -66,8 +68,9 @@ class WorkerPool:
         actor_options.update(options or {})
         # One payload (see the module docstring). Nested in a list, the reference
         # reaches the actor unresolved: the actor unpickles its own writable copy.
-        payload = (dataset, spec.worker_init_fn, spec.collate_fn)
-        self._dataset_ref = ray.put(cloudpickle.dumps(payload))
+        # Pickled before Ray is asked anything: what cannot travel is named (payload.py).
+        payload = pickle_payload(dataset, spec.worker_init_fn, spec.collate_fn)
+        self._dataset_ref = ray.put(payload)
         self._actor_cls = ray.remote(DatasetWorker).options(**actor_options)
         self.spec = _without_functions(spec)
         self.restartable = restartable

@@ -18,6 +18,10 @@ type, the original traceback text and the indices being loaded; the epoch goes
 on with the next batch, as in torch. A failure of the worker's start
 (``worker_init_fn``, an ``IterableDataset``'s ``__iter__``) is an
 :class:`InitError`: that worker can load nothing, and the epoch ends with it.
+So is a payload that does not unpickle: the actor stays alive and answers every
+call with it (raised in ``__init__``, it would be a death, retried and reported
+as one); a module the worker cannot import is named, with the fix
+(:class:`ImportFailure`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import pickle
 import random
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -140,6 +145,60 @@ class InitError(ExceptionWrapper):
     """A worker's start failed (``worker_init_fn``, ``__iter__``): it can load nothing more."""
 
 
+class ImportFailure(InitError):
+    """The worker could not import a module its payload needs (``ModuleNotFoundError``).
+
+    Raised in the trainer as a ``ModuleNotFoundError`` that names the module, says
+    that the Ray worker processes could not import it, where this process found it,
+    and how to make it importable there.
+    """
+
+    def __init__(self, worker_id: int, error: ModuleNotFoundError) -> None:
+        super().__init__(where=f"in Ray worker {worker_id} while unpickling the dataset")
+        self.worker_id = worker_id
+        self.module = error.name or str(error)
+        self.error = f"{type(error).__name__}: {error}"
+
+    def reraise(self) -> None:
+        """Raise the ``ModuleNotFoundError`` (called in the trainer, which may know the module)."""
+        found = _module_folder(self.module)
+        here = f" (this process imports it from {found})" if found else ""
+        path = found or "<its folder>"
+        raise ModuleNotFoundError(
+            f"Ray worker {self.worker_id} could not import module {self.module!r} while "
+            f"unpickling the dataset, worker_init_fn and collate_fn ({self.error}): the "
+            f"loader's Ray worker processes import the modules of the classes and functions "
+            f"they unpickle, and {self.module!r} is importable in this process only{here}; "
+            "a folder put on sys.path at run time does not reach them. Install it as a "
+            f"package, or put its folder on PYTHONPATH before starting the script "
+            f"(PYTHONPATH={path}), or ship it with Ray's runtime_env={{'py_modules': [...]}} "
+            "or {'working_dir': ...} (worker_options={'runtime_env': ...} or ray.init)",
+            name=self.module,
+        )
+
+
+def _module_folder(module: str) -> str | None:
+    """The folder to put on ``sys.path`` for ``module`` to import, as this process found it."""
+    top = sys.modules.get(module.partition(".")[0])
+    file = getattr(top, "__file__", None)
+    if not file:
+        return None
+    folder = os.path.dirname(os.path.abspath(file))
+    if os.path.basename(file) == "__init__.py":  # a package: the folder above it
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def unpickling_error(worker_id: int, error: Exception) -> InitError:
+    """What a worker whose payload did not unpickle answers: a missing module named, else ``error``."""
+    if isinstance(error, ModuleNotFoundError):
+        return ImportFailure(worker_id, error)
+    return InitError(
+        where=f"in Ray worker {worker_id} while unpickling the dataset, worker_init_fn and "
+        "collate_fn"
+    )
+
+
 def describe_indices(indices: Sequence[int] | int) -> str:
     """Short text naming the sample indices of a batch, for error messages."""
     if isinstance(indices, int):
@@ -176,12 +235,18 @@ class DatasetWorker:
         import ray
 
         worker_id = self._id
-        dataset, init_fn, collate_fn = pickle.loads(ray.get(self._payload_ref[0]))
-        self._dataset: Dataset[Any] = dataset
-        self._collate_fn: Callable[[Any], Any] | None = collate_fn
         self._spec = spec
         self._init_error: InitError | None = None
         self._iter: Iterator[Any] | None = None
+        try:
+            dataset, init_fn, collate_fn = pickle.loads(ray.get(self._payload_ref[0]))
+        except Exception as err:
+            # Not raised: an actor whose start raises dies, and its death would be
+            # retried and reported as one. Alive, it answers every call with this.
+            self._init_error = unpickling_error(worker_id, err)
+            return
+        self._dataset: Dataset[Any] = dataset
+        self._collate_fn: Callable[[Any], Any] | None = collate_fn
         seed = spec.base_seed + worker_id
         random.seed(seed)
         torch.manual_seed(seed)
@@ -235,11 +300,11 @@ class DatasetWorker:
         ``shared_seed``: the epoch's seed of a DataPipe's shufflers (torch's
         ``apply_random_seed``), the same in every worker.
         """
-        dataset = self._dataset
-        assert isinstance(dataset, IterableDataset)
         self._iter = None
         if self._init_error is not None:
             return
+        dataset = self._dataset
+        assert isinstance(dataset, IterableDataset)
         try:
             if shared_seed is not None and isinstance(dataset, IterDataPipe):
                 apply_random_seed(dataset, torch.Generator().manual_seed(shared_seed))
