@@ -63,7 +63,7 @@ def main() -> None:
         cases["copy+pin"] = lambda: {k: v.pin_memory() for k, v in get(False).items()}
         cases["owned+pin_pool"] = lambda: pool.stage(get(True)).batch
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for name, fn in cases.items():  # warm-up
+    for fn in cases.values():  # warm-up
         fn()
     for rep in range(reps):
         order = list(cases) if rep % 2 == 0 else list(cases)[::-1]
