@@ -33,7 +33,7 @@ from .config import (
     WorkerConfig,
     worker_env,
 )
-from .contenders import contenders_for
+from .contenders import SWEPT, SWEPT_WORKLOADS, contenders_for
 from .measurement import run_worker, summarise
 from .ranks import RANK_WORKLOADS, main_rank, main_ranks
 from .report import chart, machine, markdown, metadata, versions, write_json
@@ -208,6 +208,7 @@ def main_parent(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for workload in workloads:
         names = [n for n in contenders_for(workload) if not args.contenders or n in args.contenders]
+        names += variants(workload, args.sweep_workers, args.pause_before_iter)
         results[workload] = run_rounds(
             workload, names, base, quick=args.quick, out=out, timeout_s=timeout_s, runs=runs
         )
@@ -235,6 +236,25 @@ def main_parent(args: argparse.Namespace) -> int:
         print(f"FAILED (lost/duplicated samples or crashed): {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def variants(workload: str, sweep: Sequence[int] | None, pause_s: float | None) -> list[str]:
+    """The extra contenders of a workload: a ``num_workers`` sweep and a paused cold start.
+
+    Args:
+        workload: The workload.
+        sweep: ``--sweep-workers``: the ``num_workers`` values (map-style and image workloads).
+        pause_s: ``--pause-before-iter``: seconds between building the loader and ``iter()``.
+
+    Returns:
+        Contender names such as ``torch_w4``, ``raydl_w4``, ``raydl_pause3``.
+    """
+    names = []
+    if sweep and workload in SWEPT_WORKLOADS:
+        names += [f"{loader}_w{n}" for n in sweep for loader in SWEPT]
+    if pause_s:
+        names += [f"{loader}_pause{pause_s:g}" for loader in SWEPT]
+    return names
 
 
 def main_worker(args: argparse.Namespace) -> int:
@@ -276,6 +296,21 @@ def parse_args(
     parser.add_argument("--latency", action="store_true", help="quick mode: add images_latency")
     parser.add_argument("--workloads", nargs="+", help="run only these workloads")
     parser.add_argument("--contenders", nargs="+", help="run only these contenders")
+    parser.add_argument(
+        "--sweep-workers",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="also run torch and raydl at each num_workers N (map-style and image workloads); "
+        "the table then shows each loader's best setting",
+    )
+    parser.add_argument(
+        "--pause-before-iter",
+        type=int,
+        metavar="S",
+        help="also run torch and raydl with S seconds between building the loader and iter() "
+        "(a cold start: ttfb from iter() and from process start)",
+    )
     parser.add_argument(
         "--ranks",
         nargs="+",

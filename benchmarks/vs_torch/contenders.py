@@ -13,6 +13,7 @@ per rank, one Ray instance of ``num_cpus=NUM_CPUS`` that rank 0 starts and every
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -144,11 +145,12 @@ def tabular_workers(world_size: int) -> int:
     return max(1, NUM_CPUS // world_size)
 
 
-def map_style_args(batch_size: int) -> dict[str, Any]:
+def map_style_args(batch_size: int, num_workers: int = NUM_CPUS) -> dict[str, Any]:
     """A training script's map-style ``DataLoader`` call, identical for torch and raydl.
 
     Args:
         batch_size: Samples per batch.
+        num_workers: The loader's workers (the CPU budget unless swept).
 
     Returns:
         The loader's keyword arguments.
@@ -156,7 +158,7 @@ def map_style_args(batch_size: int) -> dict[str, Any]:
     return {
         "batch_size": batch_size,
         "shuffle": True,
-        "num_workers": NUM_CPUS,
+        "num_workers": num_workers,
         "persistent_workers": True,
         "generator": torch.Generator().manual_seed(SEED),
     }
@@ -175,6 +177,8 @@ class Contender:
     multirank: ClassVar[bool] = False
     #: Its bars' colour in ``results.png`` (a matplotlib colour).
     colour: ClassVar[str] = "tab:purple"
+    #: Seconds the script spends between building the loader and its first ``iter()``.
+    pause_s: float = 0.0
 
     def runs(self, workload: str) -> bool:
         """Whether this contender runs ``workload``.
@@ -436,6 +440,79 @@ class RayDLGlobal(RayDL):
 REGISTRY: dict[str, Contender] = {
     c.name: c for c in (Limit(), Torch(), PlainRay(), RayDL(), RayDLGlobal())
 }
+
+#: The contenders ``--sweep-workers`` runs at each ``num_workers`` (``torch_w4``, ``raydl_w4``).
+#: The ``auto`` contender (``num_workers="auto"``, issue 16 item 3) goes next to them here.
+SWEPT = ("torch", "raydl")
+#: The workloads a sweep covers: a torch map-style ``Dataset`` (images: its ``dataset``).
+SWEPT_WORKLOADS = frozenset({"mapstyle", "mapstyle_decode", "images", "images_rgb224"})
+
+_VARIANT = re.compile(r"^(?P<base>[a-z_]+?)(?:_w(?P<workers>\d+))?(?:_pause(?P<pause>\d+))?$")
+
+
+class Variant(Contender):
+    """A registered contender at another ``num_workers`` and/or with a pause before ``iter()``.
+
+    ``torch_w4``: torch's map-style ``DataLoader`` with ``num_workers=4``; ``raydl_w4``: the
+    same call on ``RayDataLoader`` (on the image workloads too: their map-style ``Dataset``,
+    the drop-in path, not raydl's file reader). ``raydl_pause3``: ``raydl`` built, then 3 s
+    of the script's own work, then ``iter()`` (a cold start; issue 18).
+    """
+
+    def __init__(self, name: str, base: Contender, workers: int | None, pause_s: float) -> None:
+        self.name = name  # type: ignore[misc]  # an instance's name, not the class's
+        self.base = base
+        self.workers = workers
+        self.pause_s = pause_s
+        self.uses_ray = base.uses_ray  # type: ignore[misc]
+        self.colour = base.colour  # type: ignore[misc]
+        self.workloads = (  # type: ignore[misc]
+            base.workloads if workers is None else frozenset(SWEPT_WORKLOADS)
+        )
+
+    def tabular(self, data: TabularData) -> Loader:
+        return self.base.tabular(data)
+
+    def images(self, data: ImageData) -> Loader:
+        if self.workers is None:
+            return self.base.images(data)
+        return self._map_style(data.dataset, data.batch_size)
+
+    def mapstyle(self, data: MapStyleData) -> Loader:
+        if self.workers is None:
+            return self.base.mapstyle(data)
+        return self._map_style(data.dataset, data.batch_size)
+
+    def _map_style(self, dataset: Dataset, batch_size: int) -> Loader:
+        assert self.workers is not None
+        if self.base.name == "torch":
+            return TorchLoader(DataLoader(dataset, **map_style_args(batch_size, self.workers)))
+        from raydl import RayDataLoader
+
+        return TorchLoader(RayDataLoader(dataset, **map_style_args(batch_size, self.workers)))
+
+
+def contender(name: str) -> Contender:
+    """The contender called ``name``: a ``REGISTRY`` entry or a :class:`Variant` of one.
+
+    Args:
+        name: ``raydl``, ``torch_w4``, ``raydl_pause3``, ``raydl_w4_pause3``, ...
+
+    Returns:
+        The contender.
+
+    Raises:
+        KeyError: No such contender.
+    """
+    if name in REGISTRY:
+        return REGISTRY[name]
+    match = _VARIANT.match(name)
+    if match is None or match["base"] not in REGISTRY or name == match["base"]:
+        raise KeyError(f"no contender {name!r}; known: {', '.join(REGISTRY)} and their variants")
+    workers = int(match["workers"]) if match["workers"] else None
+    if workers is not None and match["base"] not in SWEPT:
+        raise KeyError(f"{name!r}: only {', '.join(SWEPT)} take a worker count")
+    return Variant(name, REGISTRY[match["base"]], workers, float(match["pause"] or 0))
 
 
 def contenders_for(workload: str) -> list[str]:

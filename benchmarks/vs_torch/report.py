@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 
 from .config import NUM_CPUS, SEED, Sizes
-from .contenders import REGISTRY
+from .contenders import SWEPT, contender
 
 #: workload -> contender -> the metrics ``measurement.summarise`` publishes.
 Results = dict[str, dict[str, dict[str, Any]]]
@@ -178,14 +178,18 @@ def markdown(results: Results) -> str:
         return "n/a" if v is None else format(v, spec)
 
     lines = [
-        "| workload | contender | samples/s | ttfb cold s | ttfb warm s | peak MB | stall @0.5x | exactly once |",
-        "|---|---|---:|---:|---:|---:|---:|:---:|",
+        "| workload | contender | samples/s | ttfb cold s | ttfb 1st iter() s | ttfb warm s "
+        "| peak MB | stall @0.5x | exactly once |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for workload, by_name in results.items():
         for name, m in by_name.items():
+            first = fmt(m.get("ttfb_first_iter_s"), ".2f")
+            if m.get("pause_s"):
+                first += f" (after {m['pause_s']:g} s)"
             lines.append(
                 f"| {workload} | {name} | {fmt(m['samples_per_s'], ',.0f')} | "
-                f"{fmt(m['ttfb_cold_s'], '.2f')} | {fmt(m['ttfb_warm_s'], '.3f')} | "
+                f"{fmt(m['ttfb_cold_s'], '.2f')} | {first} | {fmt(m['ttfb_warm_s'], '.3f')} | "
                 f"{fmt(m['peak_mem_mb'], ',.0f')} | {fmt(m['stall_fraction'], '.1%')} | "
                 f"{'yes' if m['exactly_once'] else 'NO'} |"
             )
@@ -199,7 +203,43 @@ def markdown(results: Results) -> str:
             f"{ratio(rate.get('raydl'), rate.get('ray'))} | "
             f"{ratio(rate.get('raydl'), rate.get('limit'))} | {glob} |"
         )
+    best = best_settings(results)
+    if best:
+        # The `auto` contender (num_workers="auto", issue 16 item 3) gets its column here.
+        lines += ["", "| workload | " + " | ".join(f"best {n} (num_workers)" for n in SWEPT)]
+        lines[-1] += " | best raydl / best torch |"
+        lines.append("|---|" + "---:|" * (len(SWEPT) + 1))
+        for workload, by_loader in best.items():
+            cells = []
+            for loader in SWEPT:
+                got = by_loader.get(loader)
+                cells.append(f"{got[1]:,.0f} ({got[0]})" if got else "n/a")
+            rates = {k: v[1] for k, v in by_loader.items()}
+            cells.append(ratio(rates.get("raydl"), rates.get("torch")))
+            lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def best_settings(results: Results) -> dict[str, dict[str, tuple[str, float]]]:
+    """Per workload and swept loader: its best ``num_workers`` and samples/s (``--sweep-workers``).
+
+    Args:
+        results: The published metrics.
+
+    Returns:
+        Workload -> loader -> (setting, samples/s); only workloads with a sweep.
+    """
+    out: dict[str, dict[str, tuple[str, float]]] = {}
+    for workload, by_name in results.items():
+        for name, m in by_name.items():
+            if "_w" not in name or "_pause" in name or not m["samples_per_s"]:
+                continue
+            loader, workers = name.rsplit("_w", 1)
+            if loader in SWEPT:
+                best = out.setdefault(workload, {}).get(loader)
+                if best is None or m["samples_per_s"] > best[1]:
+                    out[workload][loader] = (workers, m["samples_per_s"])
+    return out
 
 
 def chart(results: Results, path: Path, title: str) -> None:
@@ -220,7 +260,7 @@ def chart(results: Results, path: Path, title: str) -> None:
         names = list(by_name)
         rates = [by_name[n]["samples_per_s"] or 0.0 for n in names]
         torch_rate = by_name.get("torch", {}).get("samples_per_s")
-        bars = ax.bar(names, rates, color=[REGISTRY[n].colour for n in names])
+        bars = ax.bar(names, rates, color=[contender(n).colour for n in names])
         for bar, rate in zip(bars, rates, strict=True):
             label = f"{rate / torch_rate:.2f}x" if torch_rate and rate else "n/a"
             ax.annotate(

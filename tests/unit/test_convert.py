@@ -14,7 +14,9 @@ from raydl._internal.workers.convert import (
     array_to_tensor,
     numpy_batch_to_tensors,
     numpy_to_tensors,
+    owned_blocks,
     tensors_to_numpy,
+    writable_view,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -24,7 +26,7 @@ Point = namedtuple("Point", ["x", "y"])
 
 def _round_trip(obj: Any) -> Any:
     """What a worker sends and the training process receives (pickled, as Ray would)."""
-    return numpy_to_tensors(pickle.loads(pickle.dumps(tensors_to_numpy(obj))))
+    return numpy_to_tensors(pickle.loads(pickle.dumps(tensors_to_numpy(obj))), owned=True)
 
 
 def _assert_same(a: Any, b: Any) -> None:
@@ -66,7 +68,7 @@ def test_round_trip_nested_structure() -> None:
 
 
 def test_round_trip_without_pickling() -> None:
-    _assert_same(numpy_to_tensors(tensors_to_numpy(NESTED)), NESTED)
+    _assert_same(numpy_to_tensors(tensors_to_numpy(NESTED), owned=True), NESTED)
 
 
 def test_tensors_become_numpy_and_structure_is_kept() -> None:
@@ -83,7 +85,7 @@ def test_tensors_become_numpy_and_structure_is_kept() -> None:
 def test_tensors_to_numpy_is_zero_copy() -> None:
     tensor = torch.arange(4)
     wrapped = tensors_to_numpy(tensor)
-    back = numpy_to_tensors(wrapped)
+    back = numpy_to_tensors(wrapped, owned=False)
     back[0] = 100
     assert tensor[0] == 100
 
@@ -141,23 +143,69 @@ def test_user_numpy_arrays_stay_numpy() -> None:
     assert isinstance(out["t"], torch.Tensor)
 
 
-def test_read_only_arrays_become_writable_tensors() -> None:
+@pytest.mark.parametrize("owned", [True, False])
+def test_read_only_arrays_become_writable_tensors(owned: bool) -> None:
     # Arrays from Ray's object store are read-only; the tensors handed to users must not be.
     wrapped = tensors_to_numpy(torch.arange(4))
     wrapped.array.setflags(write=False)
-    tensor = numpy_to_tensors(wrapped)
+    tensor = numpy_to_tensors(wrapped, owned=owned)
     tensor[0] = 9  # would warn/raise on a read-only buffer
     assert tensor.tolist() == [9, 1, 2, 3]
+    assert bool(wrapped.array[0] == 9) is owned  # owned: the same memory; otherwise a copy
 
 
-def test_array_to_tensor_copies_only_read_only_arrays() -> None:
+def test_array_to_tensor_copies_only_read_only_arrays_it_does_not_own() -> None:
     writable = np.arange(3)
-    assert array_to_tensor(writable).data_ptr() == writable.ctypes.data
+    assert array_to_tensor(writable, owned=False).data_ptr() == writable.ctypes.data
     frozen = np.arange(3)
     frozen.setflags(write=False)
-    tensor = array_to_tensor(frozen)
+    tensor = array_to_tensor(frozen, owned=False)
     assert tensor.data_ptr() != frozen.ctypes.data
     assert tensor.tolist() == [0, 1, 2]
+
+
+def _frozen(*shape: int, dtype: Any = np.float32) -> np.ndarray:
+    array = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+    array.setflags(write=False)
+    return array
+
+
+@pytest.mark.filterwarnings("error")  # torch's "non-writable array" warning must not reach users
+def test_an_owned_read_only_array_becomes_a_tensor_over_its_memory_without_a_warning() -> None:
+    frozen = _frozen(4, 3)
+    tensor = array_to_tensor(frozen, owned=True)
+    assert tensor.data_ptr() == frozen.ctypes.data
+    tensor.sub_(1)
+    assert frozen[0, 0] == -1
+
+
+def test_a_writable_view_keeps_its_array_alive_and_keeps_strides() -> None:
+    strided = _frozen(6, 4)[::2, 1:]
+    view = writable_view(strided)
+    assert view.flags.writeable and view.strides == strided.strides
+    tensor = torch.from_numpy(view)
+    del strided, view
+    import gc
+
+    gc.collect()
+    assert tensor.tolist() == [[1, 2, 3], [9, 10, 11], [17, 18, 19]]
+
+
+def test_writable_view_leaves_writable_and_object_arrays_alone() -> None:
+    writable = np.arange(3)
+    assert writable_view(writable) is writable
+    objects = np.array([b"a", None], dtype=object)
+    objects.setflags(write=False)
+    assert writable_view(objects) is objects
+
+
+def test_owned_blocks_are_writable_views_and_their_batches_are_not_copied() -> None:
+    block = {"x": _frozen(8, 2), "s": np.array(["a"] * 8)}
+    (owned,) = owned_blocks([block])
+    assert owned["x"].flags.writeable and np.shares_memory(owned["x"], block["x"])
+    assert owned["s"] is block["s"]
+    batch = numpy_batch_to_tensors({"x": owned["x"][2:6]})  # a batch cut from the block
+    assert batch["x"].data_ptr() == block["x"][2:6].ctypes.data
 
 
 # torch's DataLoader hands these to the training process unchanged; a worker must too.

@@ -10,7 +10,11 @@ iterator (``epoch_iterator.py``) stays the one that counts batches, times the
 trainer's wait and applies the timeout.
 
 The copy step is injected (:class:`Copier`), so the stage's hand-off, counting
-and lifetimes are tested on CPU; :class:`CudaCopier` is the real one.
+and lifetimes are tested on CPU; :class:`CudaCopier` is the real one. It is a
+:class:`StagedCopier`: each host tensor is copied once, straight from the
+object store (an owned batch, ``workers/convert.py``) into a pinned buffer of a
+:class:`~raydl._internal.stream.pinned.PinnedPool`, and from there to the device;
+the buffer is reused once the event recorded after its copy has completed.
 
 Without CUDA there is nothing to prefetch to: :func:`resolve_device` warns once
 (as torch does for ``pin_memory``) and batches stay on the host.
@@ -18,14 +22,15 @@ Without CUDA there is nothing to prefetch to: :func:`resolve_device` warns once
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import Handoff
+from raydl._internal.stream.pinned import Fence, PinnedPool
 
 
 def resolve_device(device: str | torch.device | int | None) -> torch.device | None:
@@ -87,29 +92,78 @@ class Copier(Protocol):
         ...
 
 
-class CudaCopier:
-    """Pinned host batches copied on a side CUDA stream, one event per batch."""
+class StagedCopier:
+    """A :class:`Copier` that stages each batch in pooled pinned buffers, then moves it.
 
-    def __init__(self, device: torch.device) -> None:
+    ``copy`` (the copy thread): the batch's host tensors are copied into buffers of
+    ``pool`` (one copy each; no host tensor in between), :meth:`move` starts their
+    copy to the device, :meth:`record` marks its end, and the buffers are fenced by
+    that mark: the pool reuses them once it completed. ``ready`` (the trainer's
+    thread) hands the moved batch over after :meth:`wait`. Subclasses supply the
+    device side (:class:`CudaCopier`; a fake in the CPU tests).
+    """
+
+    def __init__(self, pool: PinnedPool) -> None:
+        self.pool = pool
+
+    def start(self) -> None:
+        """Called once on the copy thread before its first copy."""
+
+    def side(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the copies are enqueued (the side stream)."""
+        return contextlib.nullcontext()
+
+    def move(self, batch: Any) -> Any:
+        """Start copying the pinned ``batch`` to the device (asynchronously)."""
+        raise NotImplementedError
+
+    def record(self) -> Fence:
+        """A mark after the copies started so far; done once they are."""
+        raise NotImplementedError
+
+    def wait(self, batch: Any, fence: Fence) -> None:
+        """Make the trainer's work on ``batch`` wait for ``fence`` (trainer thread)."""
+
+    def copy(self, batch: Any) -> Any:
+        with self.side():
+            staged = self.pool.stage(batch)
+            moved = self.move(staged.batch)
+            fence = self.record()
+        staged.fence(fence)
+        return moved, fence
+
+    def ready(self, token: Any) -> Any:
+        batch, fence = token
+        self.wait(batch, fence)
+        return batch
+
+
+class CudaCopier(StagedCopier):
+    """Host batches through pooled pinned buffers to a side CUDA stream, one event per batch."""
+
+    def __init__(self, device: torch.device, pool: PinnedPool | None = None) -> None:
+        super().__init__(pool if pool is not None else PinnedPool())
         self._device = device
         self._stream = torch.cuda.Stream(device=device)
 
     def start(self) -> None:
         torch.cuda.set_device(self._device)
 
-    def copy(self, batch: Any) -> Any:
-        with torch.cuda.stream(self._stream):
-            moved = to_device(pin_structure(batch), self._device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return moved, event
+    def side(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream)
 
-    def ready(self, token: Any) -> Any:
-        batch, event = token
+    def move(self, batch: Any) -> Any:
+        return to_device(batch, self._device, non_blocking=True)
+
+    def record(self) -> Fence:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def wait(self, batch: Any, fence: Any) -> None:
         current = torch.cuda.current_stream(self._device)
-        current.wait_event(event)
+        current.wait_event(fence)
         _record_stream(batch, current)
-        return batch
 
 
 class DeviceCopy(Producer):

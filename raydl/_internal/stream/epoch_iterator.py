@@ -140,6 +140,9 @@ class EpochIterator(Iterator[Any]):
             self.num_yielded += 1
             batch.reraise()
         if self._pin:
+            # One copy: an owned batch is over the object store, and pin_memory() copies it
+            # into a block of torch's caching host allocator (reused once the copies torch
+            # recorded on it are done; the trainer may start its own, see stream/pinned.py).
             batch = pin_structure(batch)
         self.num_yielded += 1
         self.stats.record(batch, time.perf_counter() - started)

@@ -12,6 +12,10 @@ them over; the trainer's ``next()`` takes the head of that hand-off.
 What stays on the trainer's thread, as in torch: iterating the sampler (a sampler
 that draws from torch's global RNG draws in the same order relative to the
 training loop as under torch), and starting an iterable epoch.
+
+Every reply these producers take was made by raydl's actors for this epoch's
+consumer alone, so it is converted as *owned* (``workers/convert.py``): its
+tensors are made over the object store's memory, without a copy.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, RayCalls, g
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, ItemError, Stopped
 from raydl._internal.stream.in_process import LengthWatch
-from raydl._internal.workers.convert import numpy_to_tensors
+from raydl._internal.workers.convert import numpy_to_tensors, owned_blocks
 from raydl._internal.workers.worker import EXHAUSTED, InitError, describe_indices, killed_by
 from raydl.errors import WorkerDiedError
 
@@ -37,10 +41,13 @@ END_OF_REQUESTS = object()
 
 
 def unwrap(result: Any) -> Any:
-    """A worker's reply as tensors, or the worker's exception raised (torch's ``ExceptionWrapper``)."""
+    """A worker's reply as tensors, or the worker's exception raised (torch's ``ExceptionWrapper``).
+
+    The reply is this consumer's alone: converted without a copy (``owned``).
+    """
     if isinstance(result, ExceptionWrapper):
         result.reraise()
-    return numpy_to_tensors(result)
+    return numpy_to_tensors(result, owned=True)
 
 
 def in_torch_words(err: BaseException) -> BaseException:
@@ -67,7 +74,7 @@ def batch_item(result: Any) -> Any:
         result.reraise()
     if isinstance(result, ExceptionWrapper):
         return ItemError(result)
-    return numpy_to_tensors(result)
+    return numpy_to_tensors(result, owned=True)  # this consumer's alone: no copy
 
 
 class _PoolProducer(Producer):
@@ -271,6 +278,10 @@ class DirectProducer(_PoolProducer):
     block while it answers ``False``: too soon). Fewer runs are in flight when
     loaded runs are large: at most ``window_bytes`` by the largest run so far
     (``size_of`` a run's blocks). ``describe`` names a run in an error.
+
+    A run's blocks were loaded for this epoch alone, so they are *owned*
+    (:func:`~raydl._internal.workers.convert.owned_blocks`): the batches cut from
+    them reach ``collate`` writable, over the object store's memory, not copied.
     """
 
     def __init__(
@@ -336,7 +347,7 @@ class DirectProducer(_PoolProducer):
                 self._start_next = None
             if not self._dispatch:
                 return
-            blocks = unwrap(self._dispatch.collect())
+            blocks = owned_blocks(unwrap(self._dispatch.collect()))
             self.blocks += len(blocks)
             self._largest = max(self._largest, self._size_of(blocks))
             window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))

@@ -15,6 +15,16 @@ come back as a copy of the class, so ``isinstance(batch, Dataset.Batch)``
 fails. Its instances travel as :class:`_Named` (module, name, fields, values)
 and the training process rebuilds them with its own class, found in the module
 or one class body down (:func:`_find_namedtuple`).
+
+Ownership decides whether an array from the object store is copied. ``ray.get``
+hands back read-only arrays over the store's shared memory, because the object
+may be read again. A batch that raydl's own actors produced for this consumer
+alone (a worker's reply, a direct run's blocks) is *owned*: nobody else reads
+it, so its tensors are made over the store's memory without a copy
+(:func:`writable_view`; the view keeps the store's buffer, and so the object,
+alive until the last tensor over it is freed). Anything else (Ray Data's
+blocks, which a materialized dataset or another consumer reads again) is copied
+when read-only, so a trainer writing into its batch changes nobody else's data.
 """
 
 from __future__ import annotations
@@ -88,14 +98,19 @@ def _plain(tensor: torch.Tensor) -> bool:
     )
 
 
-def numpy_to_tensors(obj: Any) -> Any:
-    """Undo :func:`tensors_to_numpy`: every wrapped array becomes a writable tensor again."""
+def numpy_to_tensors(obj: Any, *, owned: bool) -> Any:
+    """Undo :func:`tensors_to_numpy`: every wrapped array becomes a writable tensor again.
+
+    ``owned``: ``obj`` is this consumer's alone (a worker's reply to it), so the
+    tensors are made over the arrays' memory, read-only or not, without a copy;
+    otherwise read-only arrays are copied (see the module docstring).
+    """
     if isinstance(obj, _Wrapped):
-        tensor = array_to_tensor(obj.array)
+        tensor = array_to_tensor(obj.array, owned=owned)
         return tensor if obj.dtype is None else tensor.view(obj.dtype)
     if isinstance(obj, _Named):
-        return obj.rebuild(numpy_to_tensors)
-    return _map_structure(obj, numpy_to_tensors)
+        return obj.rebuild(lambda value: numpy_to_tensors(value, owned=owned))
+    return _map_structure(obj, lambda value: numpy_to_tensors(value, owned=owned))
 
 
 class _Named:
@@ -157,23 +172,83 @@ def _find_namedtuple(module: str, name: str, fields: tuple[str, ...]) -> type | 
     return found
 
 
-def array_to_tensor(array: np.ndarray) -> torch.Tensor:
-    """A tensor with the array's data; copies only when the array is read-only (object store)."""
+def array_to_tensor(array: np.ndarray, *, owned: bool) -> torch.Tensor:
+    """A writable tensor with the array's data.
+
+    A read-only array (the object store's) is copied unless ``owned`` (this
+    consumer's alone: the tensor is made over its memory, see :func:`writable_view`).
+    """
     if not array.flags.writeable:
-        array = array.copy()
+        array = writable_view(array) if owned else array.copy()
     return torch.from_numpy(array)
 
 
-def numpy_batch_to_tensors(batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def writable_view(array: np.ndarray) -> np.ndarray:
+    """A writable array over ``array``'s memory (no copy), keeping ``array`` alive.
+
+    For an array only this consumer reads: ``ray.get`` marks the object store's
+    arrays read-only although the store's mapping is writable. The view's base
+    holds ``array``, whose base holds Ray's buffer, which keeps the object in the
+    store (pinned, not evicted or spilled) until the last view of it is freed.
+    Unlike ``torch.from_numpy`` of the read-only array, this warns about nothing.
+    Arrays of Python objects are returned as they are.
+
+    Example:
+        >>> frozen = np.arange(3)
+        >>> frozen.flags.writeable = False
+        >>> view = writable_view(frozen)
+        >>> view.flags.writeable, np.shares_memory(view, frozen)
+        (True, True)
+    """
+    if array.flags.writeable or array.dtype.hasobject:
+        return array
+    return np.asarray(_WritableInterface(array))
+
+
+class _WritableInterface:
+    """``array``'s memory described to numpy as writable (``__array_interface__``)."""
+
+    __slots__ = ("__array_interface__", "array")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array  # the new array's base: it keeps this one (and its buffer) alive
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)  # (address, read-only)
+        self.__array_interface__ = interface
+
+
+def owned_blocks(blocks: Any) -> Any:
+    """Blocks (column -> array dicts, in a list) that only this consumer reads, made writable.
+
+    For raydl's direct runs: the actors' blocks were made for this epoch's
+    consumer alone, so their numeric columns become writable views
+    (:func:`writable_view`) and :func:`numpy_batch_to_tensors` does not copy the
+    batches cut from them. Other blocks (Arrow tables, ...) are returned as they are.
+    """
+    if isinstance(blocks, list):
+        return [owned_blocks(block) for block in blocks]
+    if isinstance(blocks, dict):
+        return {
+            name: writable_view(column) if isinstance(column, np.ndarray) else column
+            for name, column in blocks.items()
+        }
+    return blocks
+
+
+def numpy_batch_to_tensors(
+    batch: Mapping[str, np.ndarray], *, owned: bool = False
+) -> dict[str, Any]:
     """Turn a Ray Data numpy batch (column -> array) into column -> tensor.
 
+    Read-only columns are copied unless ``owned`` (see :func:`array_to_tensor`);
+    a batch cut from :func:`owned_blocks` is writable already and is not copied.
     Columns that torch cannot hold (strings, ragged objects) stay numpy arrays
     so that nothing is silently dropped.
     """
     out: dict[str, Any] = {}
     for name, column in batch.items():
         if column.dtype.kind in "biufc":
-            out[name] = array_to_tensor(column)
+            out[name] = array_to_tensor(column, owned=owned)
         elif column.dtype == object and len(column) and _all_numeric_same_shape(column):
             out[name] = torch.from_numpy(np.stack(list(column)))
         else:
