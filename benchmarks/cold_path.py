@@ -119,9 +119,7 @@ def main() -> None:
     steps = [_run(_STEPS) for _ in range(args.repeat)]
     at_once = [_run(_LOADER, "0") for _ in range(args.repeat)]
     paused = [_run(_LOADER, str(args.pause)) for _ in range(args.repeat)]
-    rows: dict[str, float] = {
-        name: statistics.median(s[name] for s in steps) for name in steps[0]
-    }
+    rows: dict[str, float] = {name: statistics.median(s[name] for s in steps) for name in steps[0]}
     rows["loader: construction"] = statistics.median(r["construction"] for r in at_once)
     rows["loader: process start to first batch (iter at once)"] = statistics.median(
         r["process_to_first_batch"] for r in at_once
