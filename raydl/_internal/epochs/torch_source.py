@@ -93,9 +93,21 @@ class TorchSource:
         """Epochs load in the training process (``num_workers=0``, as torch): no Ray."""
         return self._settings.num_workers == 0
 
-    def warm(self) -> Warm[Any] | None:
-        """What the loader's background start warms (nothing yet for torch datasets)."""
-        return None
+    def warm(self) -> Warm[WorkerPool] | None:
+        """What the loader's background start warms: the first epoch's actors.
+
+        Started with a placeholder seed and parked: the first epoch takes them as
+        any parked pool, resetting them to its spec (its base seed is drawn at that
+        ``iter()``, from the RNG state torch would use then). They import torch and
+        unpickle the dataset meanwhile; ``worker_init_fn`` runs at that reset.
+        """
+        if self.in_process:
+            return None
+        return Warm(
+            build=lambda: self._new_pool(self._spec(base_seed=0), ahead=True),
+            adopt=self._parked.append,
+            discard=WorkerPool.kill,
+        )
 
     def _check_cpus(self) -> None:
         """torch's warning when ``num_workers`` exceeds the CPUs the actors may use."""
@@ -295,8 +307,25 @@ class TorchSource:
 
     def _fresh_pool(self, base_seed: int) -> WorkerPool:
         """A pool whose workers are new for this epoch: a parked one reset, or a new one."""
+        spec = self._spec(base_seed)
+        if self._parked:
+            pool = self._parked.pop()
+            pool.reset(spec)
+            return pool
+        return self._new_pool(spec)
+
+    def _new_pool(self, spec: WorkerSpec, *, ahead: bool = False) -> WorkerPool:
+        return WorkerPool(
+            self._dataset,
+            spec,
+            restartable=not self._iterable,
+            options=self._settings.worker_options,
+            ahead=ahead,
+        )
+
+    def _spec(self, base_seed: int) -> WorkerSpec:
         args, settings = self._args, self._settings
-        spec = WorkerSpec(
+        return WorkerSpec(
             num_workers=max(1, settings.num_workers),
             collate_fn=args.collate_fn,
             auto_collation=args.batch_sampler is not None,
@@ -306,13 +335,6 @@ class TorchSource:
             drop_last=args.drop_last,
             world_size=self._world.world_size,
             rank=self._world.rank,
-        )
-        if self._parked:
-            pool = self._parked.pop()
-            pool.reset(spec)
-            return pool
-        return WorkerPool(
-            self._dataset, spec, restartable=not self._iterable, options=settings.worker_options
         )
 
     def _park(self, pool: WorkerPool) -> None:

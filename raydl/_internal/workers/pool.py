@@ -61,7 +61,14 @@ class WorkerPool:
         *,
         restartable: bool,
         options: Mapping[str, Any] | None = None,
+        ahead: bool = False,
     ) -> None:
+        """Start ``spec.num_workers`` actors over ``dataset``.
+
+        ``ahead``: started before their first epoch (the loader's background
+        start); they import and unpickle now and become workers of the epoch's
+        spec at :meth:`reset`, which must come before any fetch.
+        """
         import ray
 
         actor_options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
@@ -75,10 +82,12 @@ class WorkerPool:
         self.spec = _without_functions(spec)
         self.restartable = restartable
         self._restarting = threading.Lock()
-        self.actors = [self._start(i) for i in range(spec.num_workers)]
+        self.actors = [
+            self._start(i, None if ahead else self.spec) for i in range(spec.num_workers)
+        ]
 
-    def _start(self, worker_id: int) -> Any:
-        return self._actor_cls.remote([self._dataset_ref], worker_id, self.spec)
+    def _start(self, worker_id: int, spec: WorkerSpec | None) -> Any:
+        return self._actor_cls.remote([self._dataset_ref], worker_id, spec)
 
     def reset(self, spec: WorkerSpec) -> None:
         """Turn every worker into a fresh one for ``spec`` (see ``DatasetWorker.reset``).
@@ -112,7 +121,7 @@ class WorkerPool:
             if self.actors[worker_id] is dead:
                 with contextlib.suppress(Exception):  # it is already gone
                     ray.kill(dead, no_restart=True)
-                self.actors[worker_id] = self._start(worker_id)
+                self.actors[worker_id] = self._start(worker_id, self.spec)
             return self.actors[worker_id]
 
     def __len__(self) -> int:

@@ -216,11 +216,30 @@ class DatasetWorker:
     reference of the pickled ``(dataset, worker_init_fn, collate_fn)``.
     """
 
-    def __init__(self, payload_ref: list[Any], worker_id: int, spec: WorkerSpec) -> None:
+    def __init__(self, payload_ref: list[Any], worker_id: int, spec: WorkerSpec | None) -> None:
+        """Start as worker ``worker_id`` of ``spec``.
+
+        ``spec=None``: a worker started ahead of its first epoch (the loader's
+        background start): it imports and unpickles now and becomes a worker
+        only at its first :meth:`reset`, so ``worker_init_fn`` runs once per epoch.
+        """
         _record_faults()
         self._payload_ref = payload_ref
         self._id = worker_id
-        self.reset(spec)
+        self._unpickled: tuple[Any, ...] | Exception | None = None
+        if spec is None:
+            self._unpickled = self._unpickle()
+        else:
+            self.reset(spec)
+
+    def _unpickle(self) -> tuple[Any, ...] | Exception:
+        """A fresh copy of ``(dataset, worker_init_fn, collate_fn)``, or why there is none."""
+        import ray
+
+        try:
+            return tuple(pickle.loads(ray.get(self._payload_ref[0])))
+        except Exception as err:
+            return err
 
     def reset(self, spec: WorkerSpec) -> None:
         """Become a fresh worker, as a newly started torch worker process would be.
@@ -232,19 +251,17 @@ class DatasetWorker:
         importing torch in it) every epoch; only module-level state of user code
         outlives an epoch, where a new torch worker process would start clean.
         """
-        import ray
-
         worker_id = self._id
         self._spec = spec
         self._init_error: InitError | None = None
         self._iter: Iterator[Any] | None = None
-        try:
-            dataset, init_fn, collate_fn = pickle.loads(ray.get(self._payload_ref[0]))
-        except Exception as err:
+        unpickled, self._unpickled = self._unpickled or self._unpickle(), None
+        if isinstance(unpickled, Exception):
             # Not raised: an actor whose start raises dies, and its death would be
             # retried and reported as one. Alive, it answers every call with this.
-            self._init_error = unpickling_error(worker_id, err)
+            self._init_error = unpickling_error(worker_id, unpickled)
             return
+        dataset, init_fn, collate_fn = unpickled
         self._dataset: Dataset[Any] = dataset
         self._collate_fn: Callable[[Any], Any] | None = collate_fn
         seed = spec.base_seed + worker_id
