@@ -204,3 +204,19 @@ def test_dead_rank_makes_the_other_fail_clearly(unequal_data: Path, tmp_path: Pa
     last = json.loads(lines[-1])
     assert "error" in last, lines
     assert time.monotonic() - start < 230
+
+
+@pytest.mark.timeout(300)
+def test_background_start_never_races_the_scripts_own_collectives(tmp_path: Path) -> None:
+    """The loader is built, then DDP and 50 all-reduces run at once: no deadlock, one cluster."""
+    record = tmp_path / "record"
+    proc = _torchrun(str(HERE / "_early_collectives.py"), str(record), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    seen = {rank: json.loads(Path(f"{record}.rank{rank}").read_text()) for rank in (0, 1)}
+    assert all(seen[rank]["started_in_background"] for rank in (0, 1))
+    assert seen[0]["gcs_address"] == seen[1]["gcs_address"]  # rank 1 joined rank 0's cluster
+    for epoch in range(2):
+        ids = [seen[rank]["epochs"][epoch] for rank in (0, 1)]
+        assert len(ids[0]) == len(ids[1]) == 48  # equal shares, every step paired
+        assert sorted(ids[0] + ids[1]) == list(range(96))  # every sample once
+    assert seen[0]["epochs"][0] != seen[0]["epochs"][1]  # a new order per epoch

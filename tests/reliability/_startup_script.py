@@ -7,7 +7,8 @@ Modes:
     gated: ``ray.init`` waits for a gate, so the test sees construction return
         while Ray is still starting; then one epoch.
     epochs: build, iterate ``--epochs`` epochs slowly (for Ctrl-C at any moment).
-    dropped: build a loader over a raydl read, let its start finish, drop it.
+    dropped: build a loader over a raydl read, let its start finish (``warm``),
+        drop it when told on stdin (``dropped``).
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ def dropped(record: dict, folder: str) -> None:
     assert startup is not None
     startup.wait()
     record["early_epoch"] = loader._source.early_epoch
-    del loader
+    _say("warm")
+    sys.stdin.readline()  # the test has seen the actors: drop the loader
+    del loader, startup
     gc.collect()
     _say("dropped")
-    time.sleep(float(600))  # the test looks at this process's actors, then ends it
+    sys.stdin.readline()  # the test looks at this process's actors, then ends it
 
 
 def main() -> None:

@@ -140,7 +140,8 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
             "ignore_reinit_error": True,
         }
         if address:
-            ray.init(address=address, **common)
+            with _without_warning(SIGTERM_WARNING):  # joining: no process starts, any thread does
+                ray.init(address=address, **common)
         else:
             # Should this process die (SIGKILL, a Ctrl-C during ray.init), no Ray process
             # of the instance outlives it long.

@@ -1,0 +1,156 @@
+"""The background start, seen from outside: fresh training processes (``_startup_script.py``).
+
+Each test runs a script in a new process with a Ray of its own (a cold start is
+only cold once): construction returns while Ray is still starting, a Ctrl-C at
+any moment ends the process as interrupted with no Ray process left behind, and
+a loader built and dropped leaves no actor behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from _probes import wait_until
+
+SCRIPT = str(Path(__file__).resolve().parent / "_startup_script.py")
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[str]:
+    """A private ``RAY_TMPDIR`` (short: Ray's socket paths have a length limit)."""
+    with tempfile.TemporaryDirectory(prefix="rdl", ignore_cleanup_errors=True) as tmp:
+        yield tmp
+
+
+def _start(mode: str, record: Path, ray_tmp: str, *args: str, **env: str) -> subprocess.Popen[str]:
+    environ = {**os.environ, "RAY_TMPDIR": ray_tmp, **env}
+    environ.pop("RAY_ADDRESS", None)
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, mode, str(record), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environ,
+    )
+
+
+def _wait_for(proc: subprocess.Popen[str], line: str, count: int = 1) -> None:
+    assert proc.stdout is not None
+    seen = 0
+    for got in proc.stdout:
+        seen += got.strip() == line
+        if seen == count:
+            return
+    raise AssertionError(f"the script ended before printing {line!r}: {proc.stderr.read()[-3000:]}")
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(procs: list[psutil.Process]) -> list[str]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{proc.pid} {proc.name()}")
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+@pytest.mark.timeout(180)
+def test_construction_returns_while_ray_starts_and_iter_waits_for_it(
+    tmp_path: Path, ray_tmp: str
+) -> None:
+    record = tmp_path / "record.json"
+    proc = _start("gated", record, ray_tmp)
+    _, err = proc.communicate(timeout=150)
+    assert proc.returncode == 0, err[-3000:]
+    seen = json.loads(record.read_text())
+    # ray.init was held back by the script: construction returned before it ran.
+    assert seen["initialized_after_construction"] is False
+    assert seen["start_running"] is True
+    assert seen["initialized_after_iter"] is True
+    assert [x for batch in seen["batches"] for x in batch] == [float(i) for i in range(64)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("moment", "after", "background"),
+    [
+        ("during the background ray.init", "built", "1"),
+        ("while iter() waits for the start", "iterating", "1"),
+        ("during an epoch", "batch", "1"),
+        ("during ray.init on the trainer's thread", "iterating", "0"),
+    ],
+)
+def test_ctrl_c_at_any_moment_exits_as_interrupted_and_leaves_no_ray_process(
+    tmp_path: Path, ray_tmp: str, moment: str, after: str, background: str
+) -> None:
+    proc = _start(
+        "epochs", tmp_path / "record.json", ray_tmp, "--epochs", "5",
+        RAYDL_BACKGROUND_START=background,
+    )  # fmt: skip
+    try:
+        _wait_for(proc, after, count=2 if after == "batch" else 1)
+        if after != "batch":
+            # Ray's start has begun (a GCS exists) but is not over: no raylet yet.
+            assert wait_until(
+                lambda: any(p.name() == "gcs_server" for p in _descendants(proc.pid)),
+                timeout=30,
+                every=0.02,
+            ), f"Ray's start did not begin ({moment})"
+        ray_processes = _descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, f"{moment}: exit {proc.returncode}\n{err[-3000:]}"
+    assert "KeyboardInterrupt" in err
+    assert ray_processes, "no Ray process had started: the test did not test anything"
+    assert wait_until(lambda: not _alive(ray_processes), timeout=20), _alive(ray_processes)
+
+
+@pytest.mark.timeout(180)
+def test_a_loader_built_and_dropped_leaves_no_ray_work_behind(tmp_path: Path, ray_tmp: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for part in range(4):
+        pq.write_table(
+            pa.table({"id": list(range(part * 8, part * 8 + 8))}), folder / f"{part}.parquet"
+        )
+    record = tmp_path / "record.json"
+    proc = _start("dropped", record, ray_tmp, "--folder", str(folder))
+    try:
+        _wait_for(proc, "warm")
+
+        def actors() -> list[str]:
+            return [name for name in _alive(_descendants(proc.pid)) if "RunLoader" in name]
+
+        # The background start began epoch 0 on raydl's actors, unasked.
+        assert wait_until(lambda: bool(actors()), timeout=60), "no direct actors were started"
+        assert proc.stdin is not None
+        proc.stdin.write("drop\n")
+        proc.stdin.flush()
+        _wait_for(proc, "dropped")
+        assert wait_until(lambda: not actors(), timeout=30), actors()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
