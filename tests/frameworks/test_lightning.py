@@ -136,17 +136,6 @@ def test_limit_train_batches_in_process(in_process: Path) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "raydl bug: Lightning's iterability check (_check_dataloader_iterable) calls iter() on a "
-        "loader that is not a torch DataLoader, so raydl's epoch 0 is spent there and Lightning's "
-        "epoch 0 runs raydl epoch 1; in process (num_workers=0) the DistributedSampler is drawn at "
-        "the first next(), after Lightning's sampler.set_epoch(0), so the batches are epoch 0's but "
-        "the state records sampler epoch 1, and a resume in the first epoch deals epoch 1's rest"
-    ),
-)
 def test_fit_ckpt_path_resumes_in_the_first_epoch_in_process(in_process: Path) -> None:
     ckpt = in_process / "ckpt" / "epoch=0-step=3.ckpt"
     assert _loader_state(ckpt)["batches_consumed"] == 3

@@ -190,7 +190,7 @@ class TorchSource:
             # torch draws the sampler iterator, then the workers' base seed, in this
             # order; persistent workers are seeded once, so torch draws it only once.
             if not self._iterable:
-                index_iter = iter(self._index_sampler)
+                index_iter = _noting_sampler_epoch(iter(self._index_sampler), args.sampler, record)
                 length = len(self._index_sampler)
         if self.in_process:
             return self._in_process_epoch(record, index_iter, length, resume, shared_seed)
@@ -382,3 +382,18 @@ class TorchSource:
         for each in [pool, *parked]:
             if each is not None:
                 each.kill()
+
+
+def _noting_sampler_epoch(
+    indices: Iterator[Any], sampler: Any, record: EpochRecord
+) -> Iterator[Any]:
+    """``indices``, noting in ``record`` the sampler's epoch when its order is drawn.
+
+    torch's ``BatchSampler`` iterates the sampler at its first ``next()``, not at
+    ``iter()``: a ``set_epoch`` in between (Lightning calls it after its own
+    ``iter()``) decides the order, so the record takes the epoch then.
+    """
+    for position, item in enumerate(indices):
+        if position == 0:
+            record.sampler_epoch = getattr(sampler, "epoch", None)
+        yield item
