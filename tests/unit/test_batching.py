@@ -168,3 +168,18 @@ def test_shuffle_rebatch_copies_rows_rarely_and_holds_few_blocks(
     assert sorted(ids) == list(range(6400))
     # Into its batch, and sometimes into a compacted block (the copying buffer: 3-4 times).
     assert 6400 < copied <= 2 * 6400, copied
+
+
+def test_a_ragged_column_across_blocks_becomes_an_object_array_of_rows() -> None:
+    from raydl._internal.stream.batching import rebatch
+
+    wide = {"x": np.zeros((2, 3)), "id": np.array([0, 1])}
+    wider = {"x": np.ones((2, 5)), "id": np.array([2, 3])}
+    rows = {"x": np.array([np.zeros(3), np.zeros(3)], dtype=object), "id": np.array([4, 5])}
+    batches = list(rebatch([wide, wider, rows], batch_size=6, drop_last=False))
+    assert len(batches) == 1
+    column = batches[0]["x"]
+    assert (
+        column.dtype == object and [r.shape for r in column] == [(3,)] * 2 + [(5,)] * 2 + [(3,)] * 2
+    )
+    assert batches[0]["id"].tolist() == [0, 1, 2, 3, 4, 5]

@@ -35,7 +35,21 @@ def row_count(batch: Batch) -> int:
 def _concat(pieces: list[Batch]) -> Batch:
     if len(pieces) == 1:
         return pieces[0]
-    return {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+    return {name: _concat_column([p[name] for p in pieces]) for name in pieces[0]}
+
+
+def _concat_column(parts: list[np.ndarray]) -> np.ndarray:
+    """One column across blocks; blocks whose rows differ in shape give an object array of rows.
+
+    A ragged column (a tensor column of another shape in each block, ``from_items`` of
+    ndarrays of different lengths) is what a batch of one block with such rows holds.
+    """
+    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+        return np.concatenate(parts)
+    rows = np.empty(sum(len(p) for p in parts), dtype=object)
+    for i, row in enumerate(row for part in parts for row in part):
+        rows[i] = row  # one by one: numpy would broadcast rows of one shape into a 2-d array
+    return rows
 
 
 def _cut(batch: Batch, start: int, stop: int) -> Batch:
