@@ -14,8 +14,6 @@ See ``docs/design.md`` for how each kind of dataset maps onto Ray.
 from __future__ import annotations
 
 import contextlib
-import functools
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,9 +28,9 @@ from raydl._internal.epochs.state import LoaderState
 from raydl._internal.epochs.torch_source import TorchSettings, TorchSource
 from raydl._internal.io import skips
 from raydl._internal.runtime import cluster
-from raydl._internal.runtime.startup import BackgroundStart
+from raydl._internal.runtime.startup import begin_for
 from raydl._internal.runtime.world import Channel, World
-from raydl._internal.stream.device import CudaCopier, DeviceCopy, resolve_device
+from raydl._internal.stream.device import CudaCopier, DeviceCopy, PinMemory, resolve_device
 from raydl._internal.stream.epoch_iterator import EpochIterator
 from raydl._internal.stream.metrics import EpochStats, summarize
 from raydl._internal.torch_args import MAP, RAY, check, with_defaults
@@ -258,19 +256,11 @@ class RayDataLoader(Iterable[Any]):
         self._iterator: EpochIterator | None = None
         self._record: EpochRecord | None = None  # the last epoch started
         self._stats: list[EpochStats] = []
-        self._pin_warned = False
-        self._startup = self._start_in_background()
+        self._pinning = PinMemory(pin_memory)
+        self._startup = begin_for(
+            self._source, self.options.ray_address, self._world, self.options.background_start
+        )
         self._initialized = True
-
-    def _start_in_background(self) -> BackgroundStart | None:
-        """Ray and this loader's actors, started now on a daemon thread (``startup.py``)."""
-        source, address = self._source, self.options.ray_address
-        if not self.options.background_start or source.in_process:
-            return None
-        if not cluster.starts_without_collectives(address, self._world):
-            return None  # ranks outside torchrun: iter() joins them over the process group
-        connect = functools.partial(cluster.ensure_ray, address, world=self._world)
-        return BackgroundStart.begin(connect, source.warm())
 
     def __setattr__(self, attr: str, val: Any) -> None:
         if getattr(self, "_initialized", False) and attr in _FROZEN_ATTRS:
@@ -443,7 +433,7 @@ class RayDataLoader(Iterable[Any]):
         epoch = self._next_epoch
         resume, self._resume = self._resume, None
         self._expect(epoch + 1)
-        pin = self._use_pinned_memory()
+        pin = self._pinning.use()
         device = resolve_device(self.options.device)
         prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
         if isinstance(self._source, RaySource):
@@ -480,20 +470,6 @@ class RayDataLoader(Iterable[Any]):
         iterator.loader = self
         self._iterator = iterator
         return iterator
-
-    def _use_pinned_memory(self) -> bool:
-        if not self.pin_memory:
-            return False
-        if torch.cuda.is_available():
-            return True
-        if not self._pin_warned:
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=3,
-            )
-            self._pin_warned = True
-        return False
 
     def _close_iterator(self) -> None:
         iterator, self._iterator = self._iterator, None

@@ -49,7 +49,7 @@ from raydl._internal.epochs.plan import (
     plan_epoch,
     stage_names,
 )
-from raydl._internal.epochs.record import EpochRecord, EpochStart
+from raydl._internal.epochs.record import EpochRecord, EpochStart, RankPlan
 from raydl._internal.epochs.resume import ShareHolder, ray_shares
 from raydl._internal.epochs.shuffle import rank_seed
 from raydl._internal.epochs.state import LoaderState
@@ -80,31 +80,6 @@ class RaySettings:
     timeout: float
     seed: int
     options: LoaderOptions
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """What rank 0 broadcasts to every rank at the start of a multi-rank epoch.
-
-    Attributes:
-        epoch: The epoch every rank runs (rank 0's).
-        parts: ``streaming_split`` iterators, one per rank; or, for an epoch resumed
-            at another world size, the rest of it dealt as tables (behind a
-            :class:`~raydl._internal.epochs.resume.ShareHolder` actor when other
-            ranks fetch theirs).
-        are_splits: Whether ``parts`` are split iterators.
-        buffer: Rows of the local shuffle buffer (splits only).
-        buffer_seed: Its seed before the rank's own offset (splits only).
-        board: For a globally shuffled direct epoch (``exchange_ranks.py``): the actor
-            through which rank 0 shares the epoch's map phase; ``parts`` is unused.
-    """
-
-    epoch: int
-    parts: Any
-    are_splits: bool
-    buffer: int | None = None
-    buffer_seed: int | None = None
-    board: Any = None
 
 
 def _ignore(_: object) -> None:

@@ -1,5 +1,7 @@
 """What an epoch source hands the loader for one epoch: its producer and its record.
 
+Also :class:`RankPlan`, what rank 0 hands every rank for a multi-rank Ray Data epoch.
+
 The :class:`EpochRecord` is everything a ``state_dict()`` taken during the epoch
 needs besides the number of batches delivered (which the epoch's iterator
 counts): one object per epoch, replaced at the next ``iter()``.
@@ -59,3 +61,28 @@ class EpochStart:
     def close(self) -> None:
         """Stop an epoch that will not be iterated (an early start discarded)."""
         self.producer.close()
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What rank 0 broadcasts to every rank at the start of a multi-rank epoch.
+
+    Attributes:
+        epoch: The epoch every rank runs (rank 0's).
+        parts: ``streaming_split`` iterators, one per rank; or, for an epoch resumed
+            at another world size, the rest of it dealt as tables (behind a
+            :class:`~raydl._internal.epochs.resume.ShareHolder` actor when other
+            ranks fetch theirs).
+        are_splits: Whether ``parts`` are split iterators.
+        buffer: Rows of the local shuffle buffer (splits only).
+        buffer_seed: Its seed before the rank's own offset (splits only).
+        board: For a globally shuffled direct epoch (``exchange_ranks.py``): the actor
+            through which rank 0 shares the epoch's map phase; ``parts`` is unused.
+    """
+
+    epoch: int
+    parts: Any
+    are_splits: bool
+    buffer: int | None = None
+    buffer_seed: int | None = None
+    board: Any = None

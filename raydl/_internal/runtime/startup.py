@@ -24,12 +24,16 @@ Rules, each relied on elsewhere:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["BackgroundStart", "Warm"]
+from raydl._internal.runtime import cluster
+from raydl._internal.runtime.world import World
+
+__all__ = ["BackgroundStart", "Warm", "begin_for"]
 
 T = TypeVar("T")
 
@@ -124,3 +128,32 @@ class BackgroundStart:
         """Stop the start: what it has not handed over yet is discarded. Never blocks on Ray."""
         with self._lock:
             self._cancelled = True
+
+
+class Warmable(Protocol):
+    """An epoch source, as the background start sees it."""
+
+    @property
+    def in_process(self) -> bool:
+        """Its epochs load in the training process: nothing to start."""
+        ...
+
+    def warm(self) -> Warm[Any] | None:
+        """What to build once Ray is up."""
+        ...
+
+
+def begin_for(
+    source: Warmable, address: str | None, world: World, enabled: bool | None
+) -> BackgroundStart | None:
+    """A loader's background start, or ``None`` when it has none to make.
+
+    None when turned off, when the source loads in process, and for ranks outside
+    torchrun (they meet over the process group, at ``iter()`` on the trainer's thread).
+    """
+    if not enabled or source.in_process:
+        return None
+    if not cluster.starts_without_collectives(address, world):
+        return None
+    connect = functools.partial(cluster.ensure_ray, address, world=world)
+    return BackgroundStart.begin(connect, source.warm())

@@ -33,6 +33,29 @@ from raydl._internal.stream.handoff import Handoff
 from raydl._internal.stream.pinned import Fence, PinnedPool
 
 
+class PinMemory:
+    """``pin_memory=True`` as torch honours it: pin when CUDA exists, else warn once and don't."""
+
+    def __init__(self, requested: bool) -> None:
+        self._requested = requested
+        self._warned = False
+
+    def use(self) -> bool:
+        """Whether this epoch's host batches are pinned."""
+        if not self._requested:
+            return False
+        if torch.cuda.is_available():
+            return True
+        if not self._warned:
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,  # the caller of iter(loader)
+            )
+            self._warned = True
+        return False
+
+
 def resolve_device(device: str | torch.device | int | None) -> torch.device | None:
     """The CUDA device to prefetch batches to, or ``None`` to keep them on the host."""
     if device is None:
