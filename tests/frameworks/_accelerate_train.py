@@ -17,23 +17,10 @@ import json
 from typing import Any
 
 import torch
+from _ids import Ids
 from accelerate import Accelerator
-from torch.utils.data import Dataset
 
 from raydl import RayDataLoader as DataLoader
-
-
-class Ids(Dataset):
-    """Sample ``i`` is ``{"id": i, "x": [i]}``: each batch tells which samples it holds."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"id": i, "x": torch.tensor([float(i)])}
 
 
 def main() -> None:

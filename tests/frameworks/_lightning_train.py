@@ -19,23 +19,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from _ids import Ids
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import Dataset
 
 from raydl import RayDataLoader as DataLoader
-
-
-class Ids(Dataset):
-    """Sample ``i`` is ``{"id": i, "x": [i]}``: each batch tells which samples it holds."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"id": i, "x": torch.tensor([float(i)])}
 
 
 class Recorder(L.LightningModule):

@@ -8,7 +8,9 @@ Trainers that load in process (``num_workers=0``) never touch it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,6 +18,12 @@ from _launch import base_env
 from _private_ray import private_ray
 
 from raydl._internal.runtime import env as raydl_env
+
+# The trainers' dataset (_ids.py) is pickled by name: the tier's Ray workers import it.
+_HERE = str(Path(__file__).resolve().parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_HERE, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _HERE]]
+)
 
 
 @pytest.fixture(scope="session")

@@ -142,7 +142,7 @@ def test_a_loader_built_and_dropped_leaves_no_ray_work_behind(tmp_path: Path, ra
         _wait_for(proc, "warm")
 
         def actors() -> list[str]:
-            return [name for name in _alive(_descendants(proc.pid)) if "RunLoader" in name]
+            return [name for name in _alive(_descendants(proc.pid)) if "DatasetWorker" in name]
 
         # The background start began epoch 0 on raydl's actors, unasked.
         assert wait_until(lambda: bool(actors()), timeout=60), "no direct actors were started"

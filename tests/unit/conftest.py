@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import ray
-
-# Loaders built here must not start Ray on a thread of their own (see raydl's
-# background_start option); tests of that start set the option themselves.
-os.environ["RAYDL_BACKGROUND_START"] = "0"
 
 
 class RayStartedInUnitTest(AssertionError):
@@ -23,4 +18,7 @@ def _forbid_ray_init(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RayStartedInUnitTest("unit tests must not call ray.init")
 
     monkeypatch.setattr(ray, "init", refuse)
+    # Loaders built here must not start Ray on a thread of their own (raydl's
+    # background_start option); tests of that start set the option themselves.
+    monkeypatch.setenv("RAYDL_BACKGROUND_START", "0")
     assert not ray.is_initialized(), "Ray is already running in the unit-test process"

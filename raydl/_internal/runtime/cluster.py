@@ -145,7 +145,8 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
         else:
             # Should this process die (SIGKILL, a Ctrl-C during ray.init), no Ray process
             # of the instance outlives it long.
-            reaper.start(os.getpid(), reaper.ray_children(os.getpid()))
+            ray_dir = os.path.dirname(ray.__file__)
+            reaper.start(os.getpid(), ray_dir, reaper.ray_children(os.getpid(), ray_dir))
             _on_a_lasting_thread(
                 functools.partial(
                     ray.init,

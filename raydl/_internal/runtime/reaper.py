@@ -57,23 +57,35 @@ def _table() -> dict[int, tuple[int, int]]:
     return table
 
 
-def _is_ray(pid: int) -> bool:
+def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"ray" in f.read()
+            return f.read()
     except OSError:
-        return False
+        return b""
 
 
-def ray_children(pid: int) -> set[Proc]:
-    """The live child processes of ``pid`` whose command line names Ray."""
+def ray_children(pid: int, ray_dir: str) -> set[Proc]:
+    """The live child processes of ``pid`` that run a program of Ray's package ``ray_dir``.
+
+    What ``ray.init`` starts runs from there (gcs_server, raylet, the monitors);
+    a child that only mentions Ray (this watcher: ``raydl/...``; a script's own
+    subprocess with ``ray`` in an argument) is not Ray's.
+    """
     if not sys.platform.startswith("linux"):
         return set()
+    marker = os.path.join(ray_dir, "").encode()
     return {
         (child, start)
         for child, (parent, start) in _table().items()
-        if parent == pid and _is_ray(child)
+        if parent == pid and marker in _cmdline(child)
     }
+
+
+def _is_core(pid: int) -> bool:
+    """The GCS or the raylet: once they are gone, so is the instance."""
+    line = _cmdline(pid)
+    return b"gcs_server" in line or b"raylet" in line
 
 
 def _alive_with_descendants(procs: set[Proc]) -> set[Proc]:
@@ -93,12 +105,13 @@ def _alive_with_descendants(procs: set[Proc]) -> set[Proc]:
     return found
 
 
-def start(driver: int, exclude: set[Proc]) -> None:
+def start(driver: int, ray_dir: str, exclude: set[Proc]) -> None:
     """Watch, from a separate process, the Ray processes ``driver`` starts from now on.
 
     Started before ``ray.init``: a Ctrl-C or a kill in the middle of Ray's own start
     leaves nothing behind either. ``exclude``: Ray children the driver already has
-    (another instance's), which are not this watcher's.
+    (another instance's), which are not this watcher's. ``ray_dir``: Ray's
+    package folder (this watcher does not import Ray).
     """
     if not sys.platform.startswith("linux"):
         return
@@ -113,6 +126,7 @@ def start(driver: int, exclude: set[Proc]) -> None:
             "-S",
             os.path.abspath(__file__),
             f"{driver}:{driver_start[1]}",
+            ray_dir,
             *args,
         ],
         stdin=subprocess.DEVNULL,
@@ -128,24 +142,25 @@ def _parse(arg: str) -> Proc:
     return int(pid), int(start)
 
 
-def watch(driver: Proc, exclude: set[Proc]) -> None:
+def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
     """Follow the driver's new Ray children and their descendants; SIGKILL them once it is gone.
 
     A process stays followed while it lives, also after its parent died (the
-    raylet's agents outlive it). Returns when the driver is gone, or when
-    everything followed has exited (``ray.shutdown()``).
+    raylet's agents outlive it). Returns when the driver is gone, or once the
+    instance it started is over: its GCS or raylet was followed and nothing
+    followed is left (``ray.shutdown()``).
     """
     tracked: set[Proc] = set()
-    followed_any = False
+    followed_core = False
     while True:
         stat = _stat(driver[0])
         driver_alive = stat is not None and stat[1] == driver[1]
         if driver_alive:
-            tracked |= ray_children(driver[0]) - exclude
+            new = ray_children(driver[0], ray_dir) - exclude - tracked
+            followed_core = followed_core or any(_is_core(pid) for pid, _ in new)
+            tracked |= new
         tracked = _alive_with_descendants(tracked)
-        if tracked:
-            followed_any = True
-        elif followed_any or not driver_alive:
+        if not tracked and (followed_core or not driver_alive):
             return  # ray.shutdown(), or a driver that never started Ray
         if not driver_alive:
             for pid, _ in tracked:
@@ -157,4 +172,4 @@ def watch(driver: Proc, exclude: set[Proc]) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch(_parse(sys.argv[1]), {_parse(arg) for arg in sys.argv[2:]})
+    watch(_parse(sys.argv[1]), sys.argv[2], {_parse(arg) for arg in sys.argv[3:]})
