@@ -29,7 +29,6 @@ def test_begin_returns_while_the_connect_step_still_runs() -> None:
     release.set()
     start.wait()
     assert start.done and connected.is_set()
-    assert start.timings["connect_s"] >= 0
 
 
 def test_an_error_of_the_start_is_raised_by_wait_with_a_note() -> None:

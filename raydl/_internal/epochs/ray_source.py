@@ -118,12 +118,7 @@ class RaySource:
         """
         if self._world.is_distributed:
             return None
-        return Warm(build=lambda: None, adopt=lambda _: self._start_first(), discard=_ignore)
-
-    def _start_first(self) -> None:
-        with self._lock:
-            if self._expected == 0 and not self._resume_armed and self._next.epoch is None:
-                self._next.start(0, lambda: self._single_rank(0, skip=0))
+        return Warm(build=lambda: None, adopt=lambda _: self._start_early(0), discard=_ignore)
 
     @property
     def early_epoch(self) -> int | None:

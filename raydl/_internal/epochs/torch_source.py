@@ -393,7 +393,8 @@ def _noting_sampler_epoch(
     ``iter()``: a ``set_epoch`` in between (Lightning calls it after its own
     ``iter()``) decides the order, so the record takes the epoch then.
     """
-    for position, item in enumerate(indices):
-        if position == 0:
-            record.sampler_epoch = getattr(sampler, "epoch", None)
-        yield item
+    for first in indices:
+        record.sampler_epoch = getattr(sampler, "epoch", None)
+        yield first
+        break
+    yield from indices

@@ -22,7 +22,9 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 _interrupted = False
 _installed = False
@@ -42,7 +44,9 @@ def install() -> None:
 class _Chain:
     """``sys.excepthook``: notes an unhandled interrupt, then calls the hook it replaced."""
 
-    def __init__(self, before: object) -> None:
+    def __init__(
+        self, before: Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+    ) -> None:
         self._before = before
 
     def __call__(
@@ -51,11 +55,11 @@ class _Chain:
         global _interrupted
         if issubclass(kind, KeyboardInterrupt):
             _interrupted = True
-        self._before(kind, value, tb)  # type: ignore[operator]
+        self._before(kind, value, tb)
 
 
 def _exit_as_interrupted() -> None:
-    if not _interrupted or not hasattr(signal, "SIGINT"):
+    if not _interrupted:
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

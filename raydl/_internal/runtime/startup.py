@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -49,8 +48,8 @@ class Warm(Generic[T]):
     def __init__(
         self,
         build: Callable[[], T],
-        adopt: Callable[[T], None],
-        discard: Callable[[T], None],
+        adopt: Callable[[T], object],
+        discard: Callable[[T], object],
     ) -> None:
         self.build = build
         self.adopt = adopt
@@ -66,8 +65,6 @@ class BackgroundStart:
         self._lock = threading.Lock()
         self._cancelled = False
         self._error: BaseException | None = None
-        #: Seconds each step took (``connect``, ``warm``), for ``stats()`` and the benchmarks.
-        self.timings: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @classmethod
@@ -81,13 +78,10 @@ class BackgroundStart:
 
     def _run(self) -> None:
         try:
-            began = time.perf_counter()
             self._connect()
-            self.timings["connect_s"] = time.perf_counter() - began
             warm = self._warm
             if warm is None or self.cancelled:
                 return
-            began = time.perf_counter()
             built = warm.build()
             with self._lock:
                 adopted = not self._cancelled
@@ -95,7 +89,6 @@ class BackgroundStart:
                     warm.adopt(built)
             if not adopted:
                 warm.discard(built)
-            self.timings["warm_s"] = time.perf_counter() - began
         except BaseException as err:  # handed to iter(), which raises it in the trainer
             self._error = err
 
