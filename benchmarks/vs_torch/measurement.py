@@ -25,8 +25,36 @@ from .contenders import contender
 from .workloads import WORKLOADS
 
 
-def tree_pss_bytes() -> int:
+def process_kind(proc: Any, me: Any) -> str:
+    """What a process of the tree is, for the peak-memory breakdown.
+
+    Ray names its workers ``ray::<Actor or task>`` (``ray::IDLE`` before any work) and
+    its Python services by script (``monitor.py``, ``log_monitor.py``, ``dashboard.py``,
+    ``agent.py``); torch's workers are forks of the measuring process.
+    """
+    if proc.pid == me.pid:
+        return "driver"
+    try:
+        cmdline = proc.cmdline()
+    except Exception:  # the process ended meanwhile
+        return "gone"
+    head = cmdline[0] if cmdline else proc.name()
+    if head.startswith("ray::"):
+        return head.split()[0]
+    for arg in cmdline[:3]:
+        name = arg.rsplit("/", 1)[-1]
+        if name in {"gcs_server", "raylet"} or name.endswith(".py"):
+            return name
+    if cmdline == me.cmdline():
+        return "torch worker"
+    return proc.name()
+
+
+def tree_pss(by_kind: dict[str, int] | None = None) -> int:
     """PSS of this process and all its descendants (torch workers, raylet, GCS, Ray workers).
+
+    Args:
+        by_kind: When given, filled with the PSS per :func:`process_kind`.
 
     Returns:
         The sum, in bytes.
@@ -37,12 +65,18 @@ def tree_pss_bytes() -> int:
     total = 0
     for proc in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            total += proc.memory_full_info().pss
+            pss = proc.memory_full_info().pss
+            total += pss
+            if by_kind is not None:
+                kind = process_kind(proc, me)
+                by_kind[kind] = by_kind.get(kind, 0) + pss
     return total
 
 
 class PeakMemory:
-    """Samples ``tree_pss_bytes`` on a named background thread; ``stop()`` returns the peak.
+    """Samples ``tree_pss`` on a named background thread; ``stop()`` returns the peak.
+
+    ``by_kind`` is the peak sample's breakdown per process kind (bytes).
 
     Reading ``smaps_rollup`` of a dozen Ray processes costs real CPU, so the sampler
     waits at least ``MAX_DUTY`` inverse times as long as a sample took: it stays under
@@ -59,6 +93,7 @@ class PeakMemory:
         """
         self.interval_s = interval_s
         self.peak = 0
+        self.by_kind: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-pss-sampler", daemon=True)
         self._thread.start()
@@ -66,7 +101,7 @@ class PeakMemory:
     def _run(self) -> None:
         while True:
             start = time.perf_counter()
-            self.peak = max(self.peak, tree_pss_bytes())
+            self._sample()
             cost = time.perf_counter() - start
             if self._stop.wait(max(self.interval_s, cost / self.MAX_DUTY)):
                 return
@@ -79,8 +114,14 @@ class PeakMemory:
         """
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, tree_pss_bytes())
+        self._sample()
         return self.peak
+
+    def _sample(self) -> None:
+        by_kind: dict[str, int] = {}
+        total = tree_pss(by_kind)
+        if total > self.peak:
+            self.peak, self.by_kind = total, by_kind
 
 
 @dataclass
@@ -210,6 +251,7 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
         "ttfb_first_iter_s": stats[0].ttfb_s if stats else -1.0,
         "pause_s": who.pause_s,
         "peak_mem_mb": peak / 2**20,
+        "peak_mem_by_kind_mb": {k: round(v / 2**20, 1) for k, v in sorted(memory.by_kind.items())},
         "stall_fraction": stalls,
         "exactly_once": all(s.exactly_once for s in stats),
         "epochs": [asdict(s) for s in stats],
@@ -248,6 +290,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_mem_mb": max(r["peak_mem_mb"] for r in ok),
         "stall_fraction": statistics.median(s["0.5x"] for s in stalls) if stalls else None,
         "exactly_once": len(ok) == len(runs) and all(r["exactly_once"] for r in ok),
+        "peak_mem_by_kind_mb": max(ok, key=lambda r: r["peak_mem_mb"]).get("peak_mem_by_kind_mb"),
     }
     if any("1.0x" in s for s in stalls):
         out["stall_fraction_1x"] = statistics.median(s["1.0x"] for s in stalls if "1.0x" in s)

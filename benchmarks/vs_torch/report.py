@@ -217,7 +217,34 @@ def markdown(results: Results) -> str:
             rates = {k: v[1] for k, v in by_loader.items()}
             cells.append(ratio(rates.get("raydl"), rates.get("torch")))
             lines.append(f"| {workload} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + memory_lines(results))
+
+
+def memory_lines(results: Results) -> list[str]:
+    """The peak's breakdown per process kind (MB PSS) of each workload x contender.
+
+    Args:
+        results: The published metrics.
+
+    Returns:
+        A markdown table (after a blank line), or nothing when no run recorded one.
+    """
+    rows = [
+        (workload, name, m["peak_mem_by_kind_mb"])
+        for workload, by_name in results.items()
+        for name, m in by_name.items()
+        if m.get("peak_mem_by_kind_mb")
+    ]
+    if not rows:
+        return []
+    lines = ["", "| workload | contender | peak MB PSS by process kind (largest first) |"]
+    lines.append("|---|---|---|")
+    for workload, name, by_kind in rows:
+        kinds = sorted(by_kind.items(), key=lambda kv: -kv[1])
+        lines.append(
+            f"| {workload} | {name} | " + ", ".join(f"{k} {v:,.0f}" for k, v in kinds) + " |"
+        )
+    return lines
 
 
 def best_settings(results: Results) -> dict[str, dict[str, tuple[str, float]]]:

@@ -36,11 +36,9 @@ import collections.abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from torch.utils.data import Dataset
-from torch.utils.data._utils import ExceptionWrapper
 
 from raydl._internal.epochs.exchange import Exchange, concat, partition_count
 from raydl._internal.epochs.exchange import shares as exchange_shares
@@ -48,9 +46,12 @@ from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
 from raydl._internal.stream.batching import row_count
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, SplitCalls
-from raydl._internal.stream.exchange_producer import Partitions
+from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.pool import WorkerPool
 from raydl._internal.workers.worker import WorkerSpec
+
+if TYPE_CHECKING:
+    from raydl._internal.stream.exchange_producer import Partitions
 
 #: Files per run (one actor request), at most: the unit of work, retry and the first batch's wait.
 FILES_PER_RUN = 512
@@ -297,7 +298,7 @@ class EpochWork:
         counts, pieces = self.exchange.split(task.run, self.load(task.paths))
         return (counts, *pieces)
 
-    def failed(self, task: Task, error: ExceptionWrapper) -> Any:
+    def failed(self, task: Task, error: RemoteError) -> Any:
         """The reply carrying ``error`` in place of ``task``'s (as many objects as its reply)."""
         if isinstance(task, MapRun):
             assert self.exchange is not None
@@ -324,7 +325,7 @@ def _as_numpy(output: Any) -> dict[str, np.ndarray]:
     return BlockAccessor.for_block(block).to_batch_format("numpy")
 
 
-class RunLoader(Dataset[Any]):
+class RunLoader:
     """The "dataset" of a direct pool's actors: request ``(work, task)`` -> the task's reply.
 
     The pool's actors are :class:`~raydl._internal.workers.worker.DatasetWorker` s (restarts,
@@ -350,7 +351,7 @@ class RunLoader(Dataset[Any]):
         except Exception:
             stages = " -> ".join(stage.name for stage in work.stages) or "the read"
             where = f"in {stages} on a raydl actor, {describe_run(task.paths)}"
-            wrapper = ExceptionWrapper(where=where)
+            wrapper = RemoteError(where=where)
             return work.failed(task, wrapper)
 
 
@@ -367,6 +368,9 @@ def map_phase(
     in the object store, owned by this process. ``work``: the epoch's
     :class:`EpochWork`, put in the object store; ``between``: a stop check.
     """
+    # Here, not at the top: the actors import this module, and the producers' modules import torch.
+    from raydl._internal.stream.exchange_producer import Partitions
+
     exchange = plan.exchange
     assert exchange is not None
     parts = exchange.partitions
@@ -384,7 +388,7 @@ def map_phase(
     pieces: list[list[Any]] = [[] for _ in range(parts)]
     while dispatch:
         head, refs = dispatch.collect()
-        if isinstance(head, ExceptionWrapper):
+        if isinstance(head, RemoteError):
             head.reraise()
         for part in range(parts):
             counts[part] += head[part]

@@ -27,11 +27,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
-
-from torch.utils.data._utils import ExceptionWrapper
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from raydl.errors import LoaderTimeoutError
+
+if TYPE_CHECKING:
+    from raydl._internal.workers.failure import RemoteError
 
 #: How long one wait lasts before a blocked side looks again at the stop flag.
 SLICE_S = 0.05
@@ -55,8 +56,8 @@ class ItemError:
     """One item that failed (a batch whose ``__getitem__`` raised); the stream goes on.
 
     It is queued like any item; the consumer calls :meth:`reraise`. ``error`` is
-    torch's ``ExceptionWrapper`` from a worker (re-raised as the original type, as
-    torch does) or an exception caught in this process (raised as it is, with its
+    a :class:`~raydl._internal.workers.failure.RemoteError` from a worker (re-raised
+    as the original type, as torch does) or an exception caught in this process (raised as it is, with its
     traceback).
 
     Example:
@@ -69,7 +70,7 @@ class ItemError:
 
     __slots__ = ("error",)
 
-    def __init__(self, error: BaseException | ExceptionWrapper) -> None:
+    def __init__(self, error: BaseException | RemoteError) -> None:
         self.error = error
 
     def reraise(self) -> NoReturn:
@@ -77,8 +78,7 @@ class ItemError:
         error = self.error
         if isinstance(error, BaseException):
             raise error
-        error.reraise()  # torch's ExceptionWrapper: the original type, the worker's text
-        raise AssertionError("ExceptionWrapper.reraise returned")  # it always raises
+        error.reraise()  # the original type, the worker's traceback in the text
 
 
 def timeout_error(timeout: float) -> LoaderTimeoutError:

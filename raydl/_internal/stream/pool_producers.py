@@ -25,14 +25,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from torch.utils.data._utils import ExceptionWrapper
-
 from raydl._internal.stream.batching import skip_consumed
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, RayCalls, get_sliced
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, ItemError, Stopped
 from raydl._internal.stream.in_process import LengthWatch
 from raydl._internal.workers.convert import numpy_to_tensors, owned_blocks
+from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.worker import EXHAUSTED, InitError, describe_indices, killed_by
 from raydl.errors import WorkerDiedError
 
@@ -41,11 +40,11 @@ END_OF_REQUESTS = object()
 
 
 def unwrap(result: Any) -> Any:
-    """A worker's reply as tensors, or the worker's exception raised (torch's ``ExceptionWrapper``).
+    """A worker's reply as tensors, or the worker's exception raised (a ``RemoteError``).
 
     The reply is this consumer's alone: converted without a copy (``owned``).
     """
-    if isinstance(result, ExceptionWrapper):
+    if isinstance(result, RemoteError):
         result.reraise()
     return numpy_to_tensors(result, owned=True)
 
@@ -72,7 +71,7 @@ def batch_item(result: Any) -> Any:
     """
     if isinstance(result, InitError):
         result.reraise()
-    if isinstance(result, ExceptionWrapper):
+    if isinstance(result, RemoteError):
         return ItemError(result)
     return numpy_to_tensors(result, owned=True)  # this consumer's alone: no copy
 

@@ -31,13 +31,16 @@ import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
-
-from torch.utils.data import Dataset
+from typing import TYPE_CHECKING, Any
 
 from raydl._internal.runtime.cluster import is_connected
 from raydl._internal.workers.payload import pickle_payload
 from raydl._internal.workers.worker import DatasetWorker, WorkerSpec
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from raydl._internal.epochs.direct import RunLoader
 
 #: How often one batch is retried on a fresh worker after the worker loading it died.
 MAX_TASK_RETRIES = 2
@@ -56,14 +59,14 @@ class WorkerPool:
 
     def __init__(
         self,
-        dataset: Dataset[Any],
+        dataset: Dataset[Any] | RunLoader,
         spec: WorkerSpec,
         *,
         restartable: bool,
         options: Mapping[str, Any] | None = None,
         ahead: bool = False,
     ) -> None:
-        """Start ``spec.num_workers`` actors over ``dataset``.
+        """Start ``spec.num_workers`` actors over ``dataset`` (a torch one, or the direct path's).
 
         ``ahead``: started before their first epoch (the loader's background
         start); they import and unpickle now and become workers of the epoch's

@@ -12,8 +12,9 @@ process in one go: a ``worker_init_fn`` that is a bound method of the dataset
 sets state on the very copy whose ``__getitem__`` runs, and functions of the
 training script (``__main__``, pickled by value) share one globals dict.
 
-Exceptions from user code are caught here and returned as torch's own
-``ExceptionWrapper`` so the training process re-raises them with the original
+Exceptions from user code are caught here and returned as a
+:class:`~raydl._internal.workers.failure.RemoteError` (torch's ``ExceptionWrapper``
+without torch), so the training process re-raises them with the original
 type, the original traceback text and the indices being loaded; the epoch goes
 on with the next batch, as in torch. A failure of the worker's start
 (``worker_init_fn``, an ``IterableDataset``'s ``__iter__``) is an
@@ -22,6 +23,12 @@ So is a payload that does not unpickle: the actor stays alive and answers every
 call with it (raised in ``__init__``, it would be a death, retried and reported
 as one); a module the worker cannot import is named, with the fix
 (:class:`ImportFailure`).
+
+Torch is imported only when the payload needs it. A torch dataset imports it
+while unpickling, and then the worker seeds it, sets ``get_worker_info()`` and
+converts tensors as above; raydl's direct-path actors run pyarrow and numpy work
+(``epochs/direct.py``), and sparing them torch saves about 130 MB of private
+memory each. Nothing of torch's state exists to set in a process without it.
 """
 
 from __future__ import annotations
@@ -37,16 +44,11 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset, IterableDataset, IterDataPipe, MapDataPipe
-from torch.utils.data._utils import ExceptionWrapper
-from torch.utils.data._utils import worker as torch_worker
-from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
-from raydl._internal.workers.convert import tensors_to_numpy
+from raydl._internal.workers.failure import RemoteError
 
 #: Returned by an iterable worker whose dataset is exhausted.
 EXHAUSTED = "__raydl_exhausted__"
@@ -141,7 +143,7 @@ class WorkerSpec:
     rank: int = 0
 
 
-class InitError(ExceptionWrapper):
+class InitError(RemoteError):
     """A worker's start failed (``worker_init_fn``, ``__iter__``): it can load nothing more."""
 
 
@@ -159,7 +161,7 @@ class ImportFailure(InitError):
         self.module = error.name or str(error)
         self.error = f"{type(error).__name__}: {error}"
 
-    def reraise(self) -> None:
+    def reraise(self) -> NoReturn:
         """Raise the ``ModuleNotFoundError`` (called in the trainer, which may know the module)."""
         found = _module_folder(self.module)
         here = f" (this process imports it from {found})" if found else ""
@@ -262,23 +264,18 @@ class DatasetWorker:
             self._init_error = unpickling_error(worker_id, unpickled)
             return
         dataset, init_fn, collate_fn = unpickled
-        self._dataset: Dataset[Any] = dataset
+        self._dataset: Any = dataset
         self._collate_fn: Callable[[Any], Any] | None = collate_fn
         seed = spec.base_seed + worker_id
         random.seed(seed)
-        torch.manual_seed(seed)
-        np.random.seed(torch_worker._generate_state(spec.base_seed, worker_id))
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
-        )
+        uses_torch = "torch" in sys.modules  # the payload imported it (a torch dataset)
+        if uses_torch:
+            _seed_torch(spec, worker_id, dataset)
+        else:
+            np.random.seed(np.random.SeedSequence([spec.base_seed, worker_id]).generate_state(4))
         try:
-            if isinstance(dataset, (IterDataPipe, MapDataPipe)):
-                # torch's _sharding_worker_init_fn: ranks first, then workers.
-                apply_sharding(
-                    dataset,
-                    spec.num_workers * spec.world_size,
-                    worker_id * spec.world_size + spec.rank,
-                )
+            if uses_torch:
+                _shard_datapipe(dataset, spec, worker_id)
             if init_fn is not None:
                 init_fn(worker_id)
         except Exception:
@@ -306,10 +303,10 @@ class DatasetWorker:
             if self._collate_fn is not None:
                 data = self._collate_fn(data)
         except Exception:
-            return ExceptionWrapper(
+            return RemoteError(
                 where=f"in Ray worker {self._id} while loading {describe_indices(indices)}"
             )
-        return tensors_to_numpy(data)
+        return _for_transport(data)
 
     def start_iteration(self, shared_seed: int | None = None) -> None:
         """Begin a fresh pass over an ``IterableDataset`` (one per epoch).
@@ -321,10 +318,9 @@ class DatasetWorker:
         if self._init_error is not None:
             return
         dataset = self._dataset
-        assert isinstance(dataset, IterableDataset)
         try:
-            if shared_seed is not None and isinstance(dataset, IterDataPipe):
-                apply_random_seed(dataset, torch.Generator().manual_seed(shared_seed))
+            if shared_seed is not None:
+                _seed_datapipe(dataset, shared_seed)
             self._iter = iter(dataset)
         except Exception:
             self._init_error = InitError(
@@ -361,5 +357,53 @@ class DatasetWorker:
             self._iter = None
             return EXHAUSTED
         except Exception:
-            return ExceptionWrapper(where=f"in Ray worker {self._id} while iterating the dataset")
-        return tensors_to_numpy(data)
+            return RemoteError(where=f"in Ray worker {self._id} while iterating the dataset")
+        return _for_transport(data)
+
+
+def _seed_torch(spec: WorkerSpec, worker_id: int, dataset: Any) -> None:
+    """Seed torch and numpy and set ``get_worker_info()`` as a torch worker process does."""
+    import torch
+    from torch.utils.data._utils import worker as torch_worker
+
+    seed = spec.base_seed + worker_id
+    torch.manual_seed(seed)
+    np.random.seed(torch_worker._generate_state(spec.base_seed, worker_id))
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
+    )
+
+
+def _shard_datapipe(dataset: Any, spec: WorkerSpec, worker_id: int) -> None:
+    """torch's ``_sharding_worker_init_fn`` for a DataPipe: ranks first, then workers."""
+    from torch.utils.data import IterDataPipe, MapDataPipe
+    from torch.utils.data.graph_settings import apply_sharding
+
+    if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+        apply_sharding(
+            dataset, spec.num_workers * spec.world_size, worker_id * spec.world_size + spec.rank
+        )
+
+
+def _seed_datapipe(dataset: Any, shared_seed: int) -> None:
+    """Seed a DataPipe's shufflers with the epoch's ``shared_seed`` (torch's ``apply_random_seed``)."""
+    if "torch" not in sys.modules:
+        return  # no DataPipe without torch
+    import torch
+    from torch.utils.data import IterDataPipe
+    from torch.utils.data.graph_settings import apply_random_seed
+
+    if isinstance(dataset, IterDataPipe):
+        apply_random_seed(dataset, torch.Generator().manual_seed(shared_seed))
+
+
+def _for_transport(data: Any) -> Any:
+    """A batch as it travels through the object store (tensors as numpy arrays, ``convert.py``).
+
+    Without torch in the process no tensor exists, and the batch travels as it is.
+    """
+    if "torch" not in sys.modules:
+        return data
+    from raydl._internal.workers.convert import tensors_to_numpy
+
+    return tensors_to_numpy(data)

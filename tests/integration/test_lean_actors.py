@@ -1,0 +1,72 @@
+"""The direct path's actors run pyarrow and numpy work without importing torch.
+
+Importing torch costs a process about 130 MB of private memory; a direct-path
+actor needs none of it (docs/design.md, "Lean"). The last-mile function reports,
+from inside the actor, whether torch is there; the batches still arrive as
+tensors in the trainer, and an error in the actor still has the user's type and
+the worker's traceback, as torch's ``ExceptionWrapper`` would give them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from ray import cloudpickle
+
+import raydl
+from raydl import RayDataLoader
+
+import _torch_free  # isort: skip
+
+FILES = 40
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``FILES`` small files, file ``i`` holding the text of ``i``."""
+    root = tmp_path_factory.mktemp("lean")
+    for i in range(FILES):
+        (root / f"{i:04d}.bin").write_bytes(str(i).encode())
+    return root
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _by_value() -> object:
+    cloudpickle.register_pickle_by_value(_torch_free)
+    yield
+    cloudpickle.unregister_pickle_by_value(_torch_free)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["files", "global"])
+def test_direct_actors_do_not_import_torch(folder: Path, mode: str) -> None:
+    ds = raydl.read_binary_files(str(folder)).map_batches(
+        _torch_free.parse_and_report, batch_size=8, batch_format="numpy"
+    )
+    loader = RayDataLoader(ds, batch_size=10, shuffle=True, shuffle_mode=mode)
+    try:
+        batches = list(loader)
+        assert "raydl actors" in str(loader.stats()["epochs"][-1]["ray_data"])
+    finally:
+        loader.close()
+    ids = torch.cat([b["id"] for b in batches])
+    assert sorted(ids.tolist()) == list(range(FILES))
+    assert isinstance(batches[0]["torch_loaded"], torch.Tensor)  # tensors in the trainer
+    assert not torch.cat([b["torch_loaded"] for b in batches]).any()
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_a_torch_free_actor_keeps_its_type_and_traceback(folder: Path) -> None:
+    ds = raydl.read_binary_files(str(folder)).map_batches(
+        _torch_free.fails_on_seven, batch_size=8, batch_format="numpy"
+    )
+    loader = RayDataLoader(ds, batch_size=10, shuffle=False)
+    try:
+        with pytest.raises(KeyError, match=r"(?s)Caught KeyError in .*file seven") as caught:
+            list(loader)
+    finally:
+        loader.close()
+    assert "fails_on_seven" in str(caught.value)  # the worker's traceback, readable
+    assert not str(caught.value).startswith("'")  # torch's rule: a KeyError's text as it is

@@ -1,0 +1,36 @@
+"""``import raydl`` and the modules raydl's direct-path actors run leave torch unimported.
+
+Those actors run pyarrow and numpy work; torch would cost each about 130 MB of
+private memory (docs/design.md, "Lean"). The public names still import it on use.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import raydl
+
+
+@pytest.mark.timeout(60)
+def test_importing_raydl_and_the_actor_modules_does_not_import_torch() -> None:
+    code = (
+        "import sys, raydl\n"
+        "import raydl._internal.workers.worker, raydl._internal.epochs.direct\n"
+        "import raydl._internal.io.parquet, raydl._internal.io.files\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "raydl.RayDataLoader\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+def test_every_public_name_resolves_and_is_listed() -> None:
+    for name in raydl.__all__:
+        assert getattr(raydl, name) is not None
+    assert raydl.__all__ == sorted(raydl.__all__)
+    assert set(dir(raydl)) >= set(raydl.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        raydl.nope  # noqa: B018
