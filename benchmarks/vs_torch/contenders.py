@@ -25,15 +25,13 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from .config import NUM_CPUS, SEED, Batch, epoch_seed
+from .lastmile import decode_stage, select_rows, select_stage
 from .workloads import ImageData, MapStyleData, TabularData, WorkloadData
-from .workloads.images import decode_stage
 from .workloads.mapstyle import getitems_batch
 from .workloads.tabular import (
     SHUFFLE_BUFFER,
     ParquetStream,
     ShuffleBuffer,
-    select_rows,
-    select_stage,
     to_torch,
 )
 

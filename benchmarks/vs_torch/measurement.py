@@ -38,6 +38,8 @@ def process_kind(proc: Any, me: Any) -> str:
         cmdline = proc.cmdline()
     except Exception:  # the process ended meanwhile
         return "gone"
+    if cmdline == me.cmdline():
+        return "torch worker"
     head = cmdline[0] if cmdline else proc.name()
     if head.startswith("ray::"):
         return head.split()[0]
@@ -45,8 +47,6 @@ def process_kind(proc: Any, me: Any) -> str:
         name = arg.rsplit("/", 1)[-1]
         if name in {"gcs_server", "raylet"} or name.endswith(".py"):
             return name
-    if cmdline == me.cmdline():
-        return "torch worker"
     return proc.name()
 
 

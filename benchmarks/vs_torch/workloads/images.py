@@ -7,8 +7,6 @@ an fsspec filesystem that adds a per-request latency (an object store).
 
 from __future__ import annotations
 
-import io
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,66 +20,11 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import Dataset
 
 from ..config import WorkerConfig
-
-MEAN, STD = 0.5, 0.25
+from ..lastmile import decode_jpeg, image_id
 
 #: Files the latency workload reads: every request waits ``latency_ms``, so the full
 #: mode's 60,000 images would keep one process reading for 300 s per epoch.
 LATENCY_IMAGES = 2_000
-
-
-def decode_jpeg(data: bytes) -> np.ndarray:
-    """JPEG bytes -> normalised float32 CHW array.
-
-    Args:
-        data: A JPEG file's bytes.
-
-    Returns:
-        The image, ``(channels, height, width)``.
-    """
-    with Image.open(io.BytesIO(data)) as img:
-        arr = np.asarray(img, dtype=np.uint8)
-    out = (arr.astype(np.float32) * np.float32(1 / 255) - np.float32(MEAN)) / np.float32(STD)
-    return out[None] if out.ndim == 2 else np.ascontiguousarray(out.transpose(2, 0, 1))
-
-
-def image_id(path: str) -> int:
-    """The sample id in a generated image's file name (``0000042_7.jpg`` -> 42).
-
-    Args:
-        path: The image's path.
-
-    Returns:
-        The id.
-    """
-    return int(os.path.basename(path).split("_", 1)[0])
-
-
-def decode_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Ray Data ``map_batches`` function: {"bytes", "path"} -> {"image", "id"}.
-
-    Args:
-        batch: Files as read by ``read_binary_files(include_paths=True)``.
-
-    Returns:
-        The decoded images, stacked, and their ids.
-    """
-    images = np.stack([decode_jpeg(b) for b in batch["bytes"]])
-    ids = np.fromiter((image_id(p) for p in batch["path"]), dtype=np.int64)
-    return {"image": images, "id": ids}
-
-
-def decode_stage(ds: Any, batch_size: int) -> Any:
-    """The images' decode as a Ray Data stage on ``ds``.
-
-    Args:
-        ds: A Ray Data (or raydl) dataset of ``read_binary_files(include_paths=True)``.
-        batch_size: Files per decode call.
-
-    Returns:
-        The dataset with the stage added.
-    """
-    return ds.map_batches(decode_batch, batch_size=batch_size, batch_format="numpy")
 
 
 class SlowLocalFileSystem(LocalFileSystem):

@@ -19,7 +19,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config import WorkerConfig
-from .images import decode_jpeg, digit_image
+from ..lastmile import decode_jpeg
+from .images import digit_image
 
 BLOBS_FOLDER = "decode_blobs"  # mapstyle_decode's JPEGs, under the data folder
 N_BLOBS = 64

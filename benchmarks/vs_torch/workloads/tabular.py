@@ -11,7 +11,6 @@ import multiprocessing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,99 +19,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..config import Sizes, WorkerConfig, epoch_seed
+from ..lastmile import FEATURES, keep_mask, select_rows
 
-N_FEATURES = 20
-FEATURES = [f"f{j:02d}" for j in range(N_FEATURES)]
 POSITIVE_RATE = 0.05
-NEGATIVE_KEEP = 0.10
 SPAM_USER_RATE = 0.02
 TABULAR_BATCH = 1024
 SHUFFLE_BUFFER = 8192
 FOLDER = "tabular"  # the parquet files, under the data folder
 SPAM_FILE = "spam_users.npy"  # per user id, whether the user is a spammer
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser, vectorised (uint64 arithmetic wraps)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def keep_mask(
-    ids: np.ndarray, users: np.ndarray, labels: np.ndarray, epoch: int, spam: np.ndarray
-) -> np.ndarray:
-    """Rows to keep: not a spam user, and a positive or one of the epoch's 10% of negatives.
-
-    The negative draw is a counter-based RNG keyed by (row id, epoch seed), so it is the
-    same whichever process, file split or batch a row lands in, and new each epoch.
-
-    Args:
-        ids: The rows' ids.
-        users: The rows' user ids.
-        labels: The rows' labels (1: positive).
-        epoch: The epoch whose negative draw applies.
-        spam: Per user id, whether the user is a spammer.
-
-    Returns:
-        A boolean mask over the rows.
-    """
-    draw = _mix64(ids.astype(np.uint64) ^ np.uint64(epoch_seed(epoch, stream=7)))
-    sampled = (draw >> np.uint64(40)) < np.uint64(int(NEGATIVE_KEEP * (1 << 24)))
-    return ~spam[users] & ((labels == 1) | sampled)
-
-
-def select_rows(table: pa.Table, epoch: int, spam: np.ndarray) -> dict[str, np.ndarray]:
-    """The tabular last-mile work on one Arrow table: filter, downsample, stack features.
-
-    Args:
-        table: Rows of the generated parquet files.
-        epoch: The epoch whose negative draw applies.
-        spam: Per user id, whether the user is a spammer.
-
-    Returns:
-        The kept rows as ``id``, ``features`` (float32, one column per feature) and ``label``.
-    """
-    ids = table.column("id").to_numpy()
-    labels = table.column("label").to_numpy()
-    keep = np.flatnonzero(keep_mask(ids, table.column("user_id").to_numpy(), labels, epoch, spam))
-    features = np.empty((keep.size, N_FEATURES), dtype=np.float32)
-    for j, name in enumerate(FEATURES):
-        features[:, j] = table.column(name).to_numpy()[keep]
-    return {"id": ids[keep], "features": features, "label": labels[keep].astype(np.float32)}
-
-
-def select_block(table: Any, epoch: int, spam: np.ndarray) -> dict[str, np.ndarray]:
-    """``select_rows`` as a Ray Data ``map_batches`` function (pyarrow in, numpy out).
-
-    Args:
-        table: One Ray Data block (a pyarrow table).
-        epoch: The epoch whose negative draw applies.
-        spam: Per user id, whether the user is a spammer.
-
-    Returns:
-        What ``select_rows`` returns.
-    """
-    return select_rows(table, epoch, spam)
-
-
-def select_stage(ds: Any, epoch: int, spam: np.ndarray) -> Any:
-    """The tabular last-mile work as a Ray Data stage on ``ds``.
-
-    Args:
-        ds: A Ray Data (or raydl) dataset of the parquet rows.
-        epoch: The epoch whose negative draw applies.
-        spam: Per user id, whether the user is a spammer.
-
-    Returns:
-        The dataset with the stage added.
-    """
-    return ds.map_batches(
-        select_block,  # type: ignore[arg-type]  # Ray's stub has no room for fn_kwargs
-        batch_format="pyarrow",
-        fn_kwargs={"epoch": epoch, "spam": spam},
-    )
 
 
 class ShuffleBuffer:

@@ -1,18 +1,27 @@
-"""Ray core's cached config and Ray Data's logger names (used when raydl starts Ray).
+"""Ray core's cached config, its head node's processes and Ray Data's logger names.
 
-Relies on these private parts of Ray (checked by :func:`check`):
+Used when raydl starts Ray. Relies on these private parts of Ray (checked by :func:`check`):
 
 * ``ray._raylet.Config.initialize``, which re-reads the config Ray caches when it
   is imported (``RAY_*`` environment variables set afterwards apply only then);
+* ``ray._private.node.Node.start_monitor`` and ``Node.start_api_server``, which a
+  head node calls to start the autoscaler's monitor and the dashboard's head
+  process (:func:`lean_head`);
 * the module ``ray.data._internal.progress``, whose logger announces that progress
   bars are off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import threading
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["PROGRESS_LOGGER", "check", "reload_config"]
+__all__ = ["PROGRESS_LOGGER", "check", "lean_head", "reload_config"]
+
+_lean_lock = threading.Lock()
 
 #: The logger Ray Data's progress reporting logs to.
 PROGRESS_LOGGER = "ray.data._internal.progress"
@@ -28,11 +37,47 @@ def reload_config() -> None:
     Config.initialize("")
 
 
+@contextlib.contextmanager
+def lean_head() -> Iterator[None]:
+    """While in it, a Ray head node started in this process skips two Python processes.
+
+    The autoscaler's ``monitor.py`` (about 50 MB) scales nothing on an instance of
+    fixed size, and the dashboard's head process (about 60 MB; it starts even with
+    ``include_dashboard=False``, to serve usage statistics and the job API) serves
+    nothing a loader uses. ``ray.init`` offers no switch for either
+    (``RayParams.no_monitor`` is not one of its arguments), so the head's two
+    starting methods are replaced for the duration; the node then runs as it does
+    when its dashboard failed to start (no dashboard URL).
+
+    Relies on ``ray._private.node.Node.start_monitor`` and ``Node.start_api_server``.
+    """
+    from ray._private.node import Node
+
+    def no_monitor(self: Any) -> None:
+        return None
+
+    def no_api_server(self: Any, **_: Any) -> None:
+        self._webui_url = None
+
+    with _lean_lock:
+        saved = Node.start_monitor, Node.start_api_server
+        Node.start_monitor, Node.start_api_server = no_monitor, no_api_server  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            Node.start_monitor, Node.start_api_server = saved  # type: ignore[method-assign]
+
+
 def check() -> None:
     """Fail if this Ray lacks the core internals used here (no cluster needed)."""
     from ray._raylet import Config  # type: ignore[attr-defined]
 
     if not callable(getattr(Config, "initialize", None)):
         raise AttributeError("ray._raylet.Config has no initialize()")
+    from ray._private.node import Node
+
+    for method in ("start_monitor", "start_api_server"):
+        if not callable(getattr(Node, method, None)):
+            raise AttributeError(f"ray._private.node.Node has no {method}()")
     if importlib.util.find_spec(PROGRESS_LOGGER) is None:
         raise ModuleNotFoundError(f"Ray has no module {PROGRESS_LOGGER} (its logger is quieted)")

@@ -149,7 +149,7 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
             reaper.start(os.getpid(), ray_dir, reaper.ray_children(os.getpid(), ray_dir))
             _on_a_lasting_thread(
                 functools.partial(
-                    ray.init,
+                    _lean_init if env.lean_ray() else ray.init,
                     address="local",  # a new instance, never another process's cluster
                     num_cpus=num_cpus,
                     include_dashboard=False,
@@ -160,6 +160,20 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
             )
             _started_by_raydl = True
         _quiet_ray_data()
+
+
+def _lean_init(**kwargs: Any) -> Any:
+    """``ray.init`` of the embedded instance without the autoscaler monitor and dashboard head.
+
+    About 110 MB of memory and two Python start-ups less (docs/design.md, "Lean");
+    ``RAYDL_LEAN_RAY=0`` starts them as Ray does.
+    """
+    import ray
+
+    from raydl._internal.ray_compat import cluster as ray_core
+
+    with ray_core.lean_head():
+        return ray.init(**kwargs)
 
 
 def _on_a_lasting_thread(start: Callable[[], Any]) -> None:

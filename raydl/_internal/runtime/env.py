@@ -37,6 +37,15 @@ def background_start_default() -> bool:
     return os.environ.get(BACKGROUND_START, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
+#: ``0`` starts the embedded Ray with its autoscaler monitor and dashboard head (off by default).
+LEAN_RAY = "RAYDL_LEAN_RAY"
+
+
+def lean_ray() -> bool:
+    """Whether the embedded Ray instance skips the processes a loader does not use (``RAYDL_LEAN_RAY``)."""
+    return os.environ.get(LEAN_RAY, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 #: Variables torchrun sets for each rank; Ray processes started by a rank must not inherit them.
 TORCHRUN_VARS = (
     "RANK",

@@ -1,0 +1,56 @@
+"""The embedded Ray instance starts without the processes a loader does not use.
+
+A fresh process calls ``raydl.init()`` (the embedded instance, as a training
+script's first loader starts it) and lists the Python programs its Ray runs. The
+autoscaler's ``monitor.py`` and the dashboard's head (``dashboard.py``) are not
+among them, and come back with ``RAYDL_LEAN_RAY=0``; a loader works on the lean
+instance (docs/design.md, "The cold path", Lean).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+SCRIPT = """
+import json, sys, psutil, torch, raydl
+raydl.init()
+loader = raydl.RayDataLoader(torch.utils.data.TensorDataset(torch.arange(40)), batch_size=8,
+                             num_workers=1, background_start=False)
+rows = sorted(int(x) for (batch,) in loader for x in batch)
+programs = sorted({arg.rsplit('/', 1)[-1] for p in psutil.Process().children(recursive=True)
+                   for arg in p.cmdline()[:3] if arg.endswith('.py')})
+print(json.dumps({"rows": rows, "programs": programs}))
+"""
+
+
+def _programs(**env: str) -> dict[str, list]:
+    with tempfile.TemporaryDirectory(prefix="rdl", ignore_cleanup_errors=True) as tmp:
+        environ = {**os.environ, "RAY_TMPDIR": tmp, **env}
+        environ.pop("RAY_ADDRESS", None)
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT],
+            capture_output=True,
+            text=True,
+            env=environ,
+            timeout=150,
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(360)
+def test_the_embedded_instance_runs_no_monitor_and_no_dashboard_head() -> None:
+    lean = _programs()
+    assert lean["rows"] == list(range(40))
+    assert "log_monitor.py" in lean["programs"]  # the listing sees Ray's Python programs
+    assert "monitor.py" not in lean["programs"]
+    assert "dashboard.py" not in lean["programs"]
+    full = _programs(RAYDL_LEAN_RAY="0")
+    assert full["rows"] == list(range(40))
+    assert {"monitor.py", "dashboard.py"} <= set(full["programs"])
