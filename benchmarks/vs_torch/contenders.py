@@ -104,16 +104,18 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def start_ray() -> None:
-    """Start a local Ray limited to NUM_CPUS, quiet, the same way for ``ray`` and ``raydl``.
+def start_ray(by_raydl: bool) -> None:
+    """Start a local Ray limited to NUM_CPUS, quiet.
 
-    Under ``torch.distributed`` this is a collective call (``raydl.init``): rank 0 starts
-    the instance, the other ranks join it.
+    ``by_raydl``: as raydl starts its embedded instance (``raydl.init``: lean, with token
+    authentication), which is what a raydl user gets; else as a Ray Data user would.
+    Under ``torch.distributed`` it is always ``raydl.init``, a collective call: rank 0
+    starts the instance, the other ranks join it.
     """
     import ray
     from ray.data import DataContext
 
-    if dist.is_available() and dist.is_initialized():
+    if by_raydl or (dist.is_available() and dist.is_initialized()):
         import raydl
 
         raydl.init(num_cpus=NUM_CPUS)
@@ -171,6 +173,8 @@ class Contender:
     workloads: ClassVar[frozenset[str] | None] = None
     #: Start a local Ray (``start_ray``) before building a loader.
     uses_ray: ClassVar[bool] = False
+    #: Whether its Ray starts as raydl's embedded instance (``raydl.init``).
+    raydl_starts_ray: ClassVar[bool] = False
     #: Runs one loader per rank under ``torch.distributed`` (``--ranks``; tabular only).
     multirank: ClassVar[bool] = False
     #: Its bars' colour in ``results.png`` (a matplotlib colour).
@@ -199,7 +203,7 @@ class Contender:
             The loader.
         """
         if self.uses_ray:
-            start_ray()
+            start_ray(self.raydl_starts_ray)
         if isinstance(data, TabularData):
             return self.tabular(data)
         if isinstance(data, ImageData):
@@ -383,6 +387,7 @@ class RayDL(Contender):
     name = "raydl"
     colour = "tab:blue"
     uses_ray = True
+    raydl_starts_ray = True
     multirank = True  # the loader splits every epoch across the ranks itself
     #: The tabular workload's ``shuffle_mode``.
     tabular_shuffle_mode: ClassVar[str] = "files"
@@ -463,6 +468,7 @@ class Variant(Contender):
         self.workers = workers
         self.pause_s = pause_s
         self.uses_ray = base.uses_ray  # type: ignore[misc]
+        self.raydl_starts_ray = base.raydl_starts_ray  # type: ignore[misc]
         self.colour = base.colour  # type: ignore[misc]
         self.workloads = (  # type: ignore[misc]
             base.workloads if workers is None else frozenset(SWEPT_WORKLOADS)
