@@ -12,53 +12,21 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env() -> dict[str, str]:
+def _run(*args: str, timeout: float) -> str:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def _run(*args: str, timeout: float) -> str:
     proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
 
-def _run_together(*runs: tuple[str, ...], timeout: float) -> list[str]:
-    """Like :func:`_run` for each of ``runs``, started at once (their starts overlap)."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, *args],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
-        for args in runs
-    ]
-    try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=30)
-    for proc, (out, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, (proc.args[1:], out[-2000:] + err[-4000:])
-    return [out for out, _ in outputs]
-
-
 @pytest.mark.timeout(240)
 def test_quickstart_trains_with_raydl_and_matches_torch() -> None:
     args = ("examples/quickstart.py", "--epochs", "2", "--samples", "3000", "--batch-size", "128")
-    ours, theirs = _run_together(args, (*args, "--torch"), timeout=200)
+    ours = _run(*args, timeout=200)
+    theirs = _run(*args, "--torch", timeout=200)
     assert "raydl.RayDataLoader: 24 batches per epoch" in ours
     # Same data order as torch under torch.manual_seed: the same losses per epoch.
     losses = [line.split("loss ")[1] for line in ours.splitlines() if "loss " in line]
