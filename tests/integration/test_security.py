@@ -27,29 +27,18 @@ except Exception as err:
 """
 
 
-def _clients(gcs: str, *extra_envs: dict[str, str]) -> list[str]:
-    """One client process per environment, all at once (each is a Python start and an import of
-    Ray: they overlap); each one's output."""
-    procs = []
-    for extra_env in extra_envs:
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-        child_env["HOME"] = "/nonexistent-raydl-home"  # no ~/.ray/auth_token to fall back on
-        child_env.update(extra_env)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", CLIENT, gcs],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=child_env,
-            )
-        )
-    try:
-        return [proc.communicate(timeout=150)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=30)
+def _client(gcs: str, **extra_env: str) -> str:
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    child_env["HOME"] = "/nonexistent-raydl-home"  # no ~/.ray/auth_token to fall back on
+    child_env.update(extra_env)
+    proc = subprocess.run(
+        [sys.executable, "-c", CLIENT, gcs],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=child_env,
+    )
+    return proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(240)
@@ -58,15 +47,12 @@ def test_clients_without_the_right_token_are_refused() -> None:
     token = env.ray_auth_token()
     assert token, "raydl's embedded Ray must run with an auth token"
 
-    no_token, wrong, right = _clients(
-        gcs,
-        {"RAY_AUTH_MODE": "token"},
-        {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * len(token)},
-        {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
-    )
+    no_token = _client(gcs, RAY_AUTH_MODE="token")
     assert "CONNECTED" not in no_token, no_token
+    wrong = _client(gcs, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * len(token))
     assert "CONNECTED" not in wrong, wrong
-    assert "CONNECTED" in right, right  # the checks above can fail: the token is what matters
+    right = _client(gcs, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    assert "CONNECTED" in right, right  # the check above can fail: the token is what matters
 
 
 def test_dashboard_serves_nothing() -> None:
