@@ -1,4 +1,4 @@
-"""A training script's first seconds, for the background-start tests (``test_startup.py``).
+"""A training script's first seconds, for the background-start tests (``test_cold_start.py``).
 
 Usage: ``python _startup_script.py MODE RECORD``; prints progress lines (``built``,
 ``iterating``, ``batch``) that the test waits for, and writes a JSON record.
@@ -9,6 +9,8 @@ Modes:
     epochs: build, iterate ``--epochs`` epochs slowly (for Ctrl-C at any moment).
     dropped: build a loader over a raydl read, let its start finish (``warm``),
         drop it when told on stdin (``dropped``).
+    gated_then_dropped: ``gated`` (its loader closed: ``closed``), then, when told on
+        stdin, ``dropped`` in the same process.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def gated(record: dict) -> None:
     gate.set()
     record["batches"] = [b.tolist() for b in loader]
     record["initialized_after_iter"] = ray.is_initialized()
+    loader.close()
 
 
 def epochs(record: dict, count: int) -> None:
@@ -62,6 +65,15 @@ def epochs(record: dict, count: int) -> None:
             _say("batch")
             time.sleep(0.2)
         record[f"epoch_{epoch}"] = True
+
+
+def gated_then_dropped(record: dict, folder: str) -> None:
+    """``gated``, then (told on stdin, once the test saw its actor go) ``dropped``: one process
+    and one Ray start for both."""
+    gated(record)
+    _say("closed")
+    sys.stdin.readline()
+    dropped(record, folder)
 
 
 def dropped(record: dict, folder: str) -> None:
@@ -83,7 +95,7 @@ def dropped(record: dict, folder: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["gated", "epochs", "dropped"])
+    parser.add_argument("mode", choices=["gated", "epochs", "dropped", "gated_then_dropped"])
     parser.add_argument("record")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--folder", default="")
@@ -92,6 +104,8 @@ def main() -> None:
     try:
         if args.mode == "gated":
             gated(record)
+        elif args.mode == "gated_then_dropped":
+            gated_then_dropped(record, args.folder)
         elif args.mode == "epochs":
             epochs(record, args.epochs)
         else:

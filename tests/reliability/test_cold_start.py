@@ -72,13 +72,58 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
     return alive
 
 
-@pytest.mark.timeout(180)
-def test_construction_returns_while_ray_starts_and_iter_waits_for_it(
+def _parquet_folder(root: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = root / "data"
+    folder.mkdir()
+    for part in range(4):
+        pq.write_table(
+            pa.table({"id": list(range(part * 8, part * 8 + 8))}), folder / f"{part}.parquet"
+        )
+    return folder
+
+
+def _direct_actors(proc: subprocess.Popen[str]) -> list[str]:
+    return [name for name in _alive(_descendants(proc.pid)) if "DatasetWorker" in name]
+
+
+def _tell(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(f"{line}\n")
+    proc.stdin.flush()
+
+
+@pytest.mark.timeout(240)
+def test_construction_returns_while_ray_starts_then_a_dropped_loader_leaves_no_ray_work(
     tmp_path: Path, ray_tmp: str
 ) -> None:
+    """Two checks in one process, one Ray start (``gated_then_dropped``).
+
+    First a map-style loader built while ``ray.init`` is held back: construction
+    returns before Ray is up, ``iter()`` waits for it. Then, once that loader is
+    closed and its actor gone, a loader over a raydl read whose background start
+    begins epoch 0 on raydl's actors, unasked: dropped, it leaves no actor behind.
+    """
     record = tmp_path / "record.json"
-    proc = _start("gated", record, ray_tmp)
-    _, err = proc.communicate(timeout=150)
+    folder = _parquet_folder(tmp_path)
+    proc = _start("gated_then_dropped", record, ray_tmp, "--folder", str(folder))
+    try:
+        _wait_for(proc, "closed")
+        # the first loader's actor is gone, so the actors seen below are the second's
+        assert wait_until(lambda: not _direct_actors(proc), timeout=30), _direct_actors(proc)
+        _tell(proc, "go")
+        _wait_for(proc, "warm")
+        # The background start began epoch 0 on raydl's actors, unasked.
+        assert wait_until(lambda: bool(_direct_actors(proc)), timeout=60), "no direct actors"
+        _tell(proc, "drop")
+        _wait_for(proc, "dropped")
+        assert wait_until(lambda: not _direct_actors(proc), timeout=30), _direct_actors(proc)
+        _tell(proc, "end")
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 0, err[-3000:]
     seen = json.loads(record.read_text())
     # ray.init was held back by the script: construction returned before it ran.
@@ -123,34 +168,3 @@ def test_ctrl_c_at_any_moment_exits_as_interrupted_and_leaves_no_ray_process(
     assert "KeyboardInterrupt" in err
     assert ray_processes, "no Ray process had started: the test did not test anything"
     assert wait_until(lambda: not _alive(ray_processes), timeout=20), _alive(ray_processes)
-
-
-@pytest.mark.timeout(180)
-def test_a_loader_built_and_dropped_leaves_no_ray_work_behind(tmp_path: Path, ray_tmp: str) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    folder = tmp_path / "data"
-    folder.mkdir()
-    for part in range(4):
-        pq.write_table(
-            pa.table({"id": list(range(part * 8, part * 8 + 8))}), folder / f"{part}.parquet"
-        )
-    record = tmp_path / "record.json"
-    proc = _start("dropped", record, ray_tmp, "--folder", str(folder))
-    try:
-        _wait_for(proc, "warm")
-
-        def actors() -> list[str]:
-            return [name for name in _alive(_descendants(proc.pid)) if "DatasetWorker" in name]
-
-        # The background start began epoch 0 on raydl's actors, unasked.
-        assert wait_until(lambda: bool(actors()), timeout=60), "no direct actors were started"
-        assert proc.stdin is not None
-        proc.stdin.write("drop\n")
-        proc.stdin.flush()
-        _wait_for(proc, "dropped")
-        assert wait_until(lambda: not actors(), timeout=30), actors()
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
