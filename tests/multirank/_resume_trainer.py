@@ -84,7 +84,7 @@ def build(source: str, data: str) -> dict[str, raydl.RayDataLoader]:
         lambda epoch: table.map_batches(last_mile, fn_kwargs={"epoch": epoch}, batch_format="numpy")
     )
     return {
-        name: raydl.RayDataLoader(pipeline, batch_size=16, seed=5, **options)  # type: ignore[arg-type]
+        name: raydl.RayDataLoader(pipeline, batch_size=16, seed=5, **options)
         for name, options in PARQUET_MODES.items()
     }
 
