@@ -92,3 +92,26 @@ def test_bad_arguments_are_named() -> None:
         Dealer(0)
     with pytest.raises(ValueError, match="a run has at least 0 rows, got -1"):
         Dealer(2).add(-1)
+
+
+@pytest.mark.timeout(30)
+def test_the_board_hands_each_rank_its_deals_once_and_drops_an_abandoned_starts() -> None:
+    from raydl._internal.epochs.exchange_ranks import Board
+
+    board = Board(world_size=3)  # the actor's class, called in this process
+    assert board.dealt(0, 1, wait_s=0) is None  # nothing opened yet
+    old = board.open(0, (40, 7))
+    board.deal(0, old, [[], ["a"], ["b"]], ended=False)
+    new = board.open(0, (40, 7))  # rank 0 started epoch 0 again
+    board.deal(0, old, [[], ["stale"], ["stale"]], ended=True)  # the old start's post: dropped
+    assert board.dealt(0, 1, wait_s=0) is None
+    board.deal(0, new, [[], ["c"], []], ended=False)
+    assert board.dealt(0, 1, wait_s=0) == (new, (40, 7), ["c"], False)
+    assert board.dealt(0, 1, wait_s=0) is None  # handed over once
+    board.deal(0, new, [[], ["d"], ["e"]], ended=True)
+    assert board.dealt(0, 1, wait_s=0) == (new, (40, 7), ["d"], True)
+    assert board.dealt(0, 2, wait_s=0) == (new, (40, 7), ["e"], True)
+    assert board.dealt(0, 2, wait_s=0) == (new, (40, 7), [], True)  # the end stays readable
+    board.open(1, None)
+    board.open(2, None)  # two epochs on: epoch 0's entry is gone
+    assert board.dealt(0, 1, wait_s=0) is None
