@@ -34,12 +34,13 @@ from raydl._internal.ray_compat.datasets import split_coordinator
 from raydl._internal.runtime import cluster
 from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.deal_producers import DealingProducer, DealtProducer
+from raydl._internal.stream.exchange_producer import ExchangeProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
 from raydl._internal.workers.pool import WorkerPool
 from raydl.options import LoaderOptions
 
 if TYPE_CHECKING:
-    from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
+    from raydl._internal.stream.exchange_producer import Partitions
     from raydl._internal.stream.ray_producer import RayDataProducer
 
 
@@ -113,6 +114,9 @@ class RankEpochs:
             if plan.mode == "deal":
                 return self._dealt_epoch(epoch, skip, plan.generation)
             started = self._next.take(epoch) if skip == 0 else None
+            if started is not None and not isinstance(started.producer, ExchangeProducer):
+                started.close()  # started early as the previous epoch's mode: not this one's
+                started = None
             if started is None:
                 self._next.discard()
                 started = self._rank_exchange(epoch, skip)
