@@ -4,13 +4,13 @@ Under ``torchrun``, an epoch of a plan the direct path accepts in a streaming
 mode (``shuffle_mode="files"``, or no shuffle) runs on rank 0's raydl actors for
 every rank, not through Ray Data's ``streaming_split``:
 
-* rank 0's producer thread (:class:`~raydl._internal.stream.deal_producers.DealingProducer`)
+* rank 0's dealer thread (:class:`~raydl._internal.stream.deal_producers.DealingProducer`)
   loads the epoch's runs in run order on the shared pool, as on one rank, and
   deals each run's rows by the rule of ``deal.py`` (each rank's allowance is the
   rows loaded so far over the world size): the other ranks' deals, row ranges
   of runs with the runs' object references, go to the loader's
   :class:`~raydl._internal.epochs.exchange_ranks.Board` (the actor that also
-  carries the globally shuffled epochs); rank 0 cuts its own at once;
+  carries the globally shuffled epochs); rank 0's own go to its cutter thread;
 * every other rank's producer thread
   (:class:`~raydl._internal.stream.deal_producers.DealtProducer`) fetches its
   deals from the board, gets the runs' batches from the object store and cuts
@@ -39,11 +39,15 @@ from raydl._internal.epochs.direct import (
     DealRun,
     DirectPlan,
     describe_run,
-    loaded_bytes,
 )
-from raydl._internal.epochs.exchange_ranks import FETCH_WAIT_S
 from raydl._internal.stream.batching import Batch
-from raydl._internal.stream.deal_producers import DealingProducer, DealtProducer, Item, Reply
+from raydl._internal.stream.deal_producers import (
+    FETCH_WAIT_S,
+    DealingProducer,
+    DealtProducer,
+    Item,
+    Reply,
+)
 from raydl._internal.stream.dispatch import Pool
 from raydl.errors import RayDLError
 
@@ -83,28 +87,27 @@ def rank_zero(
     description: str,
     **producer: Any,
 ) -> DealingProducer:
-    """Rank 0's producer of ``epoch``, opened on ``board`` (its ``generation`` is set)."""
+    """Rank 0's producer of ``epoch``, opened on ``board`` under a new ``generation``."""
     generation = _call(board, "open", 0, epoch, epoch, settings)
 
     def post(per_rank: list[list[Item]], ended: bool) -> None:
         _call(board, "deal", 0, epoch, epoch, generation, per_rank, ended)
 
     holder = [work]  # nested in a list, the reference reaches the actors unresolved
-    made = DealingProducer(
+    return DealingProducer(
         pool,
         [(holder, DealRun(tuple(run))) for run in direct.runs()],
         dealer=Dealer(world_size),
         post=post,
+        generation=generation,
+        settings=settings,
         window=window,
         window_bytes=WINDOW_BYTES,
-        size_of=loaded_bytes,
-        cut=cut_for(settings),
+        cut_for=cut_for,
         describe=lambda request: describe_run(request[1].paths),
         description=f"{description}, rank 0 of {world_size}",
         **producer,
     )
-    made.generation = generation
-    return made
 
 
 def other_rank(

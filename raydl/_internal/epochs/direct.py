@@ -300,13 +300,14 @@ class EpochWork:
 
         :class:`LoadRun`: a list of numpy batches. :class:`MapRun`: ``(counts, piece_0,
         ..., piece_{P-1})``, one Ray object each (the call's ``num_returns``).
-        :class:`DealRun`: ``(rows of each batch, the batches)``, two Ray objects.
+        :class:`DealRun`: ``((rows of each batch, their bytes), the batches)``, two Ray
+        objects.
         """
         if isinstance(task, LoadRun):
             return self.load(task.paths)
         if isinstance(task, DealRun):
             loaded = self.load(task.paths)
-            return [row_count(batch) for batch in loaded], loaded
+            return ([row_count(batch) for batch in loaded], loaded_bytes(loaded)), loaded
         assert self.exchange is not None
         counts, pieces = self.exchange.split(task.run, self.load(task.paths))
         return (counts, *pieces)

@@ -38,7 +38,10 @@ from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import slices
 from raydl._internal.stream.handoff import SLICE_S, Handoff, Stopped
 from raydl._internal.workers.convert import owned_blocks
-from raydl.errors import RayDLError
+from raydl.errors import LoaderTimeoutError, RayDLError
+
+#: How long one wait for deals lasts before the caller checks whether to stop.
+FETCH_WAIT_S = 0.2
 
 #: One deal as it travels: ``(rows of each batch of the run, [the batches' reference],
 #: start, stop)``; the reference nested in a list so that Ray passes it on unresolved.
@@ -127,105 +130,11 @@ class _DealtBase(Producer):
         yield from dealt_blocks(self._batches(ref), counts, start, stop)
 
 
-class DealingProducer(_DealtBase):
-    """Rank 0's part of a streaming epoch under several ranks (see the module docstring).
-
-    Args:
-        pool: raydl's actors.
-        runs: The epoch's requests (``DealRun`` s with the epoch's work), in run order.
-        dealer: The epoch's deal.
-        post: ``(per-rank new items, ended)`` -> posted for the other ranks (waited for).
-        window: Runs in flight, at most; ``window_bytes``: bytes in flight, at most
-            (by the largest run so far, ``size_of`` its batches).
-        cut: Blocks -> this rank's batches (its local shuffle buffer).
-        skip: Batches to drop first (a resume at the same world size).
-        start_next: Asked once every run is sent to start the next epoch.
-        describe: Names a request in an error.
-    """
-
-    def __init__(
-        self,
-        pool: Pool,
-        runs: Sequence[Any],
-        *,
-        dealer: Dealer,
-        post: Callable[[list[list[Item]], bool], None],
-        window: int,
-        window_bytes: int,
-        size_of: Callable[[Any], int],
-        cut: Callable[[Iterator[Batch]], Iterator[Any]],
-        collate: Callable[[Any], Any],
-        prefetch: int,
-        skip: int,
-        start_next: Callable[[], bool] | None,
-        describe: Callable[[Any], str],
-        description: str,
-        name: str,
-        calls: Calls | None = None,
-        gets: Calls | None = None,
-    ) -> None:
-        super().__init__(collate=collate, prefetch=prefetch, skip=skip, start_next=start_next,
-                         description=description, gets=gets)  # fmt: skip
-        self._runs = runs
-        self._dealer = dealer
-        self._post = post
-        self._window = max(1, window)
-        self._window_bytes = window_bytes
-        self._size_of = size_of
-        self._largest = 0
-        self._collected = 0  # runs loaded so far (the next one's index)
-        self._dispatch = Dispatcher(
-            pool, calls or SplitCalls(2), method="fetch", describe=describe,
-            between=self._check_stop,
-        )  # fmt: skip
-        self.handoff.start(lambda: self._emit(cut, self._blocks()), name=name)
-
-    def _batches(self, ref: Any) -> list[Batch]:
-        batches = super()._batches(ref)
-        self._largest = max(self._largest, self._size_of(batches))
-        return batches
-
-    def _blocks(self) -> Iterator[Batch]:
-        runs = iter(self._runs)
-        world = self._dealer.world_size
-        loaded: dict[int, tuple[list[int], Any]] = {}  # runs with rows not dealt yet
-        sent_all = False
-        while True:
-            window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
-            while not sent_all and len(self._dispatch) < window:
-                run = next(runs, None)
-                if run is None:
-                    sent_all = True
-                else:
-                    self._dispatch.send(run)
-            if sent_all:
-                self._ask_next()
-            if not self._dispatch:
-                self._post([[] for _ in range(world)], True)  # an epoch of no runs
-                return
-            counts, refs = self._dispatch.collect()
-            if isinstance(counts, ExceptionWrapper):
-                counts.reraise()
-            loaded[self._collected] = (counts, refs[0])
-            self._collected += 1
-            per_rank: list[list[Item]] = [[] for _ in range(world)]
-            for each in self._dealer.add(sum(counts)):
-                run_counts, ref = loaded[each.run]
-                per_rank[each.rank].append((run_counts, [ref], each.start, each.stop))
-            for run in [r for r in loaded if r < self._dealer.first_waiting]:
-                del loaded[run]
-            ended = sent_all and not self._dispatch
-            mine, per_rank[0] = per_rank[0], []
-            if ended or any(per_rank):
-                self._post(per_rank, ended)
-            for run_counts, holder, start, stop in mine:
-                yield from self._cut_item(run_counts, holder[0], start, stop)
-            if ended:
-                return
-
-
 class DealtProducer(_DealtBase):
-    """Another rank's part of a streaming epoch under several ranks (see the module docstring).
+    """A rank's part of a streaming epoch under several ranks (see the module docstring).
+
+    On a rank other than 0, its deals come from rank 0's board; on rank 0, from its
+    dealer thread (:class:`DealingProducer`).
 
     Args:
         fetch: This rank's next deals from rank 0 (a :data:`Reply`), ``None`` while none
@@ -295,3 +204,122 @@ class DealtProducer(_DealtBase):
                 self._ask_next()
                 return
             reply = self._reply()
+
+
+class DealingProducer(DealtProducer):
+    """Rank 0's part of a streaming epoch under several ranks (see the module docstring).
+
+    Two named threads: the dealer (``<name>-dealer``) sends the runs, deals each
+    run's rows as soon as it is loaded, posts the other ranks' deals and hands
+    rank 0's own to this rank's cutter (a :class:`Handoff` of ``window`` runs), which
+    cuts them as any rank does. So rank 0's trainer being ``prefetch`` batches ahead
+    never holds the other ranks' deals back; the dealer stops sending runs while
+    rank 0 has ``window`` runs of its own not yet cut.
+
+    Args:
+        pool: raydl's actors.
+        runs: The epoch's requests (``DealRun`` s with the epoch's work), in run order.
+        dealer: The epoch's deal.
+        post: ``(per-rank new items, ended)`` -> posted for the other ranks (waited for).
+        generation: This start of the epoch on the board.
+        settings: The epoch's cut settings (as posted on the board).
+        window: Runs in flight, at most; ``window_bytes``: bytes in flight, at most (by
+            the largest run so far, as its actor measured it).
+        cut_for: The epoch's settings -> blocks -> this rank's batches.
+        describe: Names a request in an error.
+        The rest as for :class:`DealtProducer`.
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        runs: Sequence[Any],
+        *,
+        dealer: Dealer,
+        post: Callable[[list[list[Item]], bool], None],
+        generation: int,
+        settings: Any,
+        window: int,
+        window_bytes: int,
+        describe: Callable[[Any], str],
+        start_next: Callable[[], bool] | None,
+        name: str,
+        calls: Calls | None = None,
+        **rest: Any,
+    ) -> None:
+        self._runs = runs
+        self._dealer = dealer
+        self._post = post
+        self._settings = settings
+        self._window = max(1, window)
+        self._window_bytes = window_bytes
+        self._largest = 0  # bytes of the largest run so far
+        self._collected = 0  # runs loaded so far (the next one's index)
+        self._dealer_start_next = start_next
+        self._deals = Handoff(maxsize=self._window)  # rank 0's own deals, per run
+        self._dispatch = Dispatcher(
+            pool, calls or SplitCalls(2), method="fetch", describe=describe,
+            between=self._check_dealer_stop,
+        )  # fmt: skip
+        self._deals.start(lambda: self._deal(generation), name=f"{name}-dealer")
+        super().__init__(self._own, start_next=start_next, generation=generation, name=name, **rest)
+        self.generation = generation
+
+    def close(self, *, stalled: bool = False) -> None:
+        self._deals.stop()
+        super().close(stalled=stalled)
+
+    def _own(self) -> Reply | None:
+        """Rank 0's next deals, from its dealer thread; ``None`` while none came."""
+        try:
+            reply: Reply = self._deals.take(FETCH_WAIT_S)
+        except LoaderTimeoutError:
+            return None
+        except StopIteration:
+            raise Stopped from None
+        return reply
+
+    def _check_dealer_stop(self) -> None:
+        if self._deals.stopped:
+            raise Stopped
+
+    def _deal(self, generation: int) -> None:
+        """The dealer thread: every run, in order, loaded and dealt."""
+        runs = iter(self._runs)
+        world = self._dealer.world_size
+        loaded: dict[int, tuple[list[int], Any]] = {}  # runs with rows not dealt yet
+        sent_all = False
+        while True:
+            window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
+            while not sent_all and len(self._dispatch) < window:
+                run = next(runs, None)
+                if run is None:
+                    sent_all = True
+                else:
+                    self._dispatch.send(run)
+            start = self._dealer_start_next
+            if sent_all and start is not None and not self._deals.stopped and start():
+                self._dealer_start_next = None
+            no_run: tuple[Any, list[Any]] = (([], 0), [None])  # an epoch of no runs at all
+            head, refs = self._dispatch.collect() if self._dispatch else no_run
+            if isinstance(head, ExceptionWrapper):
+                head.reraise()
+            counts, size = head
+            self._largest = max(self._largest, size)
+            ended = sent_all and not self._dispatch
+            per_rank: list[list[Item]] = [[] for _ in range(world)]
+            if refs[0] is not None:
+                loaded[self._collected] = (counts, refs[0])
+                self._collected += 1
+                for each in self._dealer.add(sum(counts)):
+                    run_counts, ref = loaded[each.run]
+                    per_rank[each.rank].append((run_counts, [ref], each.start, each.stop))
+                for old in [r for r in loaded if r < self._dealer.first_waiting]:
+                    del loaded[old]
+            mine, per_rank[0] = per_rank[0], []
+            if ended or any(per_rank):
+                self._post(per_rank, ended)
+            if ended or mine:
+                self._deals.put((generation, self._settings, mine, ended))
+            if ended:
+                return
