@@ -4,7 +4,9 @@ The pattern the best loaders test with: consume k batches, checkpoint, die
 without warning, start a new process (possibly with another number of ranks),
 load the checkpoint, finish the epoch. Pre + post must be the whole epoch with
 no sample missing or repeated; at the same world size the order must equal an
-uninterrupted run's, and the epoch after must equal it too.
+uninterrupted run's, and the epoch after must equal it too. The parquet source
+steps three loaders together (the global shuffle, ``shuffle_mode="files"`` and no
+shuffle, all on raydl's actors for every rank), so one kill checks every mode.
 
 The trainers join one Ray cluster started by this module (``RAY_ADDRESS`` and
 the cluster's token, as jobs join a long-lived cluster), so each launch costs a
