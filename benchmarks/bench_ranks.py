@@ -1,10 +1,15 @@
 """Epoch time and time to first batch with 1 vs 2 torchrun ranks, and the cost of preserve_order.
 
 Each configuration is a fresh ``torchrun`` launch over the same parquet data (a read ->
-map_batches pipeline, global shuffle); rank 0 reports per-epoch wall time and time to
-first batch. Run::
+map_batches pipeline); every rank reports per-epoch wall time and time to first batch,
+and the summary gives the aggregate rows/s (all ranks' rows over the slowest rank's
+epoch), its ratio to 1 rank, and the warm time to first batch of each rank (the epoch
+boundary). ``--reader ray`` (Ray's reader: Ray Data executions, ``streaming_split``
+under 2 ranks, with and without preserve_order) or ``--reader raydl`` (raydl's reader: a
+direct plan on raydl's actors for every rank); ``--shuffle-mode`` as the loader's. Run::
 
     python benchmarks/bench_ranks.py --rows 400000 --epochs 3 --out /tmp/bench_ranks
+    python benchmarks/bench_ranks.py --reader raydl --shuffle-mode files --out /tmp/bench_ranks
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _worker(args: argparse.Namespace) -> None:
-    import numpy as np
     import torch.distributed as dist
 
     import raydl
@@ -29,12 +34,15 @@ def _worker(args: argparse.Namespace) -> None:
     raydl.init()
     import ray.data
 
-    ds = ray.data.read_parquet(args.data).map_batches(
-        lambda b: {"x": np.stack([b[f"f{i}"] for i in range(8)], 1), "id": b["id"]},
-        batch_format="numpy",
-    )
+    read = raydl.read_parquet if args.reader == "raydl" else ray.data.read_parquet
+    ds = read(args.data).map_batches(_features, batch_format="numpy")
     loader = raydl.RayDataLoader(
-        ds, batch_size=1024, shuffle=True, seed=0, deterministic=args.deterministic == "1"
+        ds,
+        batch_size=1024,
+        shuffle=args.shuffle_mode != "none",
+        shuffle_mode="files" if args.shuffle_mode == "none" else args.shuffle_mode,
+        seed=0,
+        deterministic=args.deterministic == "1",
     )
     results = []
     for epoch in range(args.epochs):
@@ -53,11 +61,16 @@ def _worker(args: argparse.Namespace) -> None:
                 "rows_rank": rows,
             }
         )
-    if dist.get_rank() == 0:
-        Path(args.report).write_text(json.dumps(results))
+    Path(f"{args.report}.rank{dist.get_rank()}").write_text(json.dumps(results))
     loader.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _features(b: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    return {"x": np.stack([b[f"f{i}"] for i in range(8)], 1), "id": b["id"]}
 
 
 def _make_data(root: Path, rows: int) -> None:
@@ -80,6 +93,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", default="bench_out/ranks")
+    parser.add_argument("--reader", choices=["ray", "raydl"], default="ray")
+    parser.add_argument("--shuffle-mode", default="global", help="global, files, blocks or none")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--report", help=argparse.SUPPRESS)
@@ -93,8 +108,10 @@ def main() -> None:
     out = Path(args.out)
     data = out / "data"
     _make_data(data, args.rows)
-    summary = {}
-    for ranks, deterministic in [(1, "1"), (2, "1"), (2, "0")]:
+    summary: dict[str, Any] = {}
+    configs = [(1, "1"), (2, "1")] + ([(2, "0")] if args.reader == "ray" else [])
+    one_rank = None
+    for ranks, deterministic in configs:
         report = out / f"r{ranks}_d{deterministic}.json"
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -116,18 +133,32 @@ def main() -> None:
             str(args.epochs),
             "--deterministic",
             deterministic,
+            "--reader",
+            args.reader,
+            "--shuffle-mode",
+            args.shuffle_mode,
         ]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         subprocess.run(cmd, check=True, env=env, capture_output=True)
-        epochs = json.loads(report.read_text())
+        per_rank = [json.loads(Path(f"{report}.rank{r}").read_text()) for r in range(ranks)]
         name = f"{ranks}rank{'s' if ranks > 1 else ''}_preserve_order={deterministic == '1'}"
-        summary[name] = epochs
-        warm = epochs[1:] or epochs
+        summary[name] = per_rank
+        epochs = per_rank[0]
+        warm = range(1, len(epochs)) if len(epochs) > 1 else range(len(epochs))
+        # all ranks' rows of a warm epoch over the slowest rank's time, averaged over warm epochs
+        rates = [
+            sum(p[e]["rows_rank"] for p in per_rank) / max(p[e]["elapsed_s"] for p in per_rank)
+            for e in warm
+        ]
+        rate = sum(rates) / len(rates)
+        one_rank = rate if ranks == 1 else one_rank
+        ratio = f" ({rate / one_rank:.2f}x 1 rank)" if ranks > 1 and one_rank else ""
+        boundary = [max(p[e]["ttfb_s"] for e in warm) for p in per_rank]
         print(
             f"{name}: epoch0 {epochs[0]['elapsed_s']:.2f}s (ttfb {epochs[0]['ttfb_s']:.2f}s); "
-            f"warm epochs {sum(e['elapsed_s'] for e in warm) / len(warm):.2f}s "
-            f"(ttfb {sum(e['ttfb_s'] for e in warm) / len(warm):.2f}s), "
-            f"rows/rank {epochs[0]['rows_rank']}"
+            f"warm epochs {sum(epochs[e]['elapsed_s'] for e in warm) / len(warm):.2f}s, "
+            f"aggregate {rate:,.0f} rows/s{ratio}; warm ttfb per rank (worst) "
+            f"{', '.join(f'{b:.3f}s' for b in boundary)}; rows/rank {epochs[0]['rows_rank']}"
         )
     (out / "results.json").write_text(json.dumps(summary, indent=2))
 

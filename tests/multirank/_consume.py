@@ -44,39 +44,12 @@ def drop_sevens(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: column[keep] for name, column in batch.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--record", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=33)
-    parser.add_argument("--shuffle-mode", default="blocks")
-    parser.add_argument("--die-after", type=int, default=-1)
-    parser.add_argument("--timeout", type=float, default=0)
-    parser.add_argument("--reader", choices=["ray", "raydl"], default="ray")
-    args = parser.parse_args()
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    raydl.init()
-    import ray.data
-
-    paths = sorted(os.path.join(args.data, f) for f in os.listdir(args.data))
-    if args.reader == "raydl":  # a plan raydl's own actors run (a read and a filter)
-        ds = raydl.read_parquet(paths).map_batches(drop_sevens, batch_format="numpy")
-    else:
-        ds = ray.data.read_parquet(paths)
-    loader = raydl.RayDataLoader(
-        ds,
-        batch_size=args.batch_size,
-        shuffle=True,
-        seed=7,
-        shuffle_mode=args.shuffle_mode,
-        local_shuffle_buffer_size=100,
-        timeout=args.timeout,
-    )
-    with open(f"{args.record}.rank{rank}", "w") as out:
-        for epoch in range(args.epochs):
+def _consume(
+    loader: raydl.RayDataLoader, path: str, rank: int, epochs: int, die_after: int
+) -> None:
+    """Iterate ``loader`` for ``epochs`` epochs, one JSON line per epoch to ``path``."""
+    with open(path, "w") as out:
+        for epoch in range(epochs):
             ids: list[int] = []
             batches = 0
             start = time.monotonic()
@@ -84,9 +57,9 @@ def main() -> None:
                 for batch in loader:
                     ids.extend(batch["id"].tolist())
                     batches += 1
-                    if rank == 1 and batches == args.die_after:
+                    if rank == 1 and batches == die_after:
                         os.kill(os.getpid(), signal.SIGKILL)
-                    if args.die_after < 0:
+                    if die_after < 0:
                         # the step of a DDP job: an all-reduce every batch (when no rank
                         # dies; otherwise gloo's own error would pre-empt the loader's)
                         dist.all_reduce(torch.ones(1))
@@ -112,7 +85,45 @@ def main() -> None:
                 "fingerprint": stats["fingerprint"],
             }
             out.write(json.dumps(record) + "\n")
-    loader.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=33)
+    # comma-separated: one loader per mode, in turn ("none": shuffle=False)
+    parser.add_argument("--shuffle-mode", default="blocks")
+    parser.add_argument("--die-after", type=int, default=-1)
+    parser.add_argument("--timeout", type=float, default=0)
+    parser.add_argument("--reader", choices=["ray", "raydl"], default="ray")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    raydl.init()
+    import ray.data
+
+    paths = sorted(os.path.join(args.data, f) for f in os.listdir(args.data))
+    if args.reader == "raydl":  # a plan raydl's own actors run (a read and a filter)
+        ds = raydl.read_parquet(paths).map_batches(drop_sevens, batch_format="numpy")
+    else:
+        ds = ray.data.read_parquet(paths)
+    modes = args.shuffle_mode.split(",")
+    for mode in modes:  # one loader after another, each for every epoch
+        loader = raydl.RayDataLoader(
+            ds,
+            batch_size=args.batch_size,
+            shuffle=mode != "none",
+            seed=7,
+            shuffle_mode="files" if mode == "none" else mode,
+            local_shuffle_buffer_size=100,
+            timeout=args.timeout,
+        )
+        record = args.record if len(modes) == 1 else f"{args.record}-{mode}"
+        _consume(loader, f"{record}.rank{rank}", rank, args.epochs, args.die_after)
+        loader.close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,9 +1,10 @@
 """A training process for the kill-and-resume tests (1 process, or one rank under torchrun).
 
-Every step it takes a batch, all-reduces (the DDP step, under several ranks),
-then writes a checkpoint atomically: the loader's ``state_dict()`` and the ids
-this rank consumed so far in the epoch, as a real job saves model + loader
-state together. With ``--kill-after K`` every rank SIGKILLs itself when its
+Every step it takes a batch of each of its loaders (the parquet source: one per
+mode, see :data:`PARQUET_MODES`), all-reduces (the DDP step, under several
+ranks), then writes a checkpoint atomically: the loaders' ``state_dict()`` and
+the ids this rank consumed so far in the epoch, as a real job saves model +
+loader state together. With ``--kill-after K`` every rank SIGKILLs itself when its
 K-th batch of the first epoch arrives, before checkpointing it (a preemption:
 that batch was received but not consumed). With ``--resume`` it loads rank
 0's checkpoint (every rank does; under DDP all ranks saved at the same step)
@@ -57,9 +58,19 @@ def last_mile(batch: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]
     return {"id": ids[keep]}
 
 
-def build(source: str, data: str) -> raydl.RayDataLoader:
+#: The parquet source's loaders, stepped together: one checkpoint, one kill, every mode of
+#: a plan raydl's actors run (the global shuffle, the streaming modes dealt by rank 0).
+PARQUET_MODES = {
+    "global": {"shuffle": True},
+    "files": {"shuffle": True, "shuffle_mode": "files", "local_shuffle_buffer_size": 40},
+    "none": {"shuffle": False},
+}
+
+
+def build(source: str, data: str) -> dict[str, raydl.RayDataLoader]:
+    """The loaders of ``source``, by name (the same rows each, so the same batch counts)."""
     if source == "map":
-        return raydl.RayDataLoader(
+        loader = raydl.RayDataLoader(
             Indices(),
             batch_size=8,
             shuffle=True,
@@ -67,11 +78,27 @@ def build(source: str, data: str) -> raydl.RayDataLoader:
             seed=5,
             generator=torch.Generator().manual_seed(5),
         )
+        return {"map": loader}
     table = raydl.read_parquet(data)
     pipeline = raydl.PerEpoch(
         lambda epoch: table.map_batches(last_mile, fn_kwargs={"epoch": epoch}, batch_format="numpy")
     )
-    return raydl.RayDataLoader(pipeline, batch_size=16, shuffle=True, seed=5)
+    return {
+        name: raydl.RayDataLoader(pipeline, batch_size=16, seed=5, **options)
+        for name, options in PARQUET_MODES.items()
+    }
+
+
+def steps(loaders: dict[str, raydl.RayDataLoader]) -> Any:
+    """One batch of every loader per step; every loader must end at the same step."""
+    iterators = {name: iter(loader) for name, loader in loaders.items()}
+    while True:
+        batches = {name: next(it, None) for name, it in iterators.items()}
+        ended = [name for name, batch in batches.items() if batch is None]
+        if ended:
+            assert len(ended) == len(batches), f"{ended} ended before the others"
+            return
+        yield batches
 
 
 def save(path: str, payload: dict[str, Any]) -> None:
@@ -97,30 +124,35 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     raydl.init()
-    loader = build(args.source, args.data)
-    ids: list[int] = []
+    loaders = build(args.source, args.data)
     if args.resume:
         with open(os.path.join(args.ckpt, "rank0.json")) as f:
             checkpoint = json.load(f)
-        loader.load_state_dict(checkpoint["state"])
-    start = loader.epoch
+        for name, loader in loaders.items():
+            loader.load_state_dict(checkpoint["states"][name])
+    start = next(iter(loaders.values())).epoch
     with open(f"{args.out}.rank{rank}", "w") as out:
         for epoch in range(start, args.epochs):
-            ids, batches = [], 0
-            for batch in loader:
+            ids: dict[str, list[int]] = {name: [] for name in loaders}
+            batches = 0
+            for step in steps(loaders):
                 batches += 1
                 if epoch == 0 and batches == args.kill_after:
                     os.kill(os.getpid(), signal.SIGKILL)
-                ids.extend(int(i) for i in (batch["id"] if isinstance(batch, dict) else batch))
+                for name, batch in step.items():
+                    got = batch["id"] if isinstance(batch, dict) else batch
+                    ids[name].extend(int(i) for i in got)
                 if distributed:
                     dist.all_reduce(torch.ones(1))
+                states = {name: loader.state_dict() for name, loader in loaders.items()}
                 save(
                     os.path.join(args.ckpt, f"rank{rank}.json"),
-                    {"state": loader.state_dict(), "epoch": epoch, "ids": ids},
+                    {"states": states, "epoch": epoch, "ids": ids},
                 )
             out.write(json.dumps({"epoch": epoch, "ids": ids, "batches": batches}) + "\n")
             out.flush()
-    loader.close()
+    for loader in loaders.values():
+        loader.close()
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

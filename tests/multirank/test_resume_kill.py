@@ -4,7 +4,9 @@ The pattern the best loaders test with: consume k batches, checkpoint, die
 without warning, start a new process (possibly with another number of ranks),
 load the checkpoint, finish the epoch. Pre + post must be the whole epoch with
 no sample missing or repeated; at the same world size the order must equal an
-uninterrupted run's, and the epoch after must equal it too.
+uninterrupted run's, and the epoch after must equal it too. The parquet source
+steps three loaders together (the global shuffle, ``shuffle_mode="files"`` and no
+shuffle, all on raydl's actors for every rank), so one kill checks every mode.
 
 The trainers join one Ray cluster started by this module (``RAY_ADDRESS`` and
 the cluster's token, as jobs join a long-lived cluster), so each launch costs a
@@ -129,29 +131,34 @@ def test_sigkill_then_resume_delivers_each_sample_once(
     )
     assert killed.returncode != 0, where  # it really died
     saved = [json.loads((ckpt / f"rank{r}.json").read_text()) for r in range(old)]
-    assert all(s["epoch"] == 0 and len(s["ids"]) > 0 for s in saved), where
-    assert {s["state"]["batches_consumed"] for s in saved} == {kill_after - 1}, where
-    if source == "parquet":  # a raydl read + map_batches: the global shuffle on raydl's actors
-        assert all(s["state"]["direct_execution"] is True for s in saved), where
-
+    assert all(s["epoch"] == 0 for s in saved), where
     resumed = _run(cluster_env, new, *common, "--resume", "--out", str(ckpt / "resumed"))
     assert resumed.returncode == 0, f"{where}\n{resumed.stderr[-3000:]}"
     after = _epochs(ckpt / "resumed", new)
-
-    pre = [i for s in saved for i in s["ids"]]
-    post = [i for rank in after for i in rank[0]["ids"]]
-    whole = [i for rank in before for i in rank[0]["ids"]]
-    assert len({rank[0]["batches"] for rank in after}) == 1, where  # equal batch counts
-    repeated = Counter(pre + post) - Counter(whole)
-    assert set(pre + post) == set(whole), where  # nothing missing, nothing foreign
-    if old == new:
-        assert not repeated, where
-        for r in range(old):  # the order of the uninterrupted run
-            assert saved[r]["ids"] + after[r][0]["ids"] == before[r][0]["ids"], where
-    else:  # re-dealt in equal batch counts: a few repeats only where the counts force it
-        assert sum(repeated.values()) < max(old, new), (where, repeated)
     next_epoch = _reference(cluster_env, source, new, parquet_dir, tmp)
-    if source == "parquet" or new > 1:  # orders that are pure in (seed, epoch, world)
-        assert [rank[1]["ids"] for rank in after] == [rank[1]["ids"] for rank in next_epoch], where
-    else:
-        assert sorted(after[0][1]["ids"]) == sorted(next_epoch[0][1]["ids"]), where
+    assert len({rank[0]["batches"] for rank in after}) == 1, where  # equal batch counts
+    for name in saved[0]["states"]:  # every loader of the source, stepped together
+        at = f"{where}, {name}"
+        states = [s["states"][name] for s in saved]
+        assert {state["batches_consumed"] for state in states} == {kill_after - 1}, at
+        assert all(len(s["ids"][name]) > 0 for s in saved), at
+        if source == "parquet":  # a raydl read + map_batches: on raydl's actors in every mode
+            assert all(state["direct_execution"] is True for state in states), at
+        pre = [i for s in saved for i in s["ids"][name]]
+        post = [i for rank in after for i in rank[0]["ids"][name]]
+        whole = [i for rank in before for i in rank[0]["ids"][name]]
+        repeated = Counter(pre + post) - Counter(whole)
+        assert set(pre + post) == set(whole), at  # nothing missing, nothing foreign
+        if old == new:
+            assert not repeated, at
+            for r in range(old):  # the order of the uninterrupted run
+                assert (
+                    saved[r]["ids"][name] + after[r][0]["ids"][name] == before[r][0]["ids"][name]
+                ), at
+        else:  # re-dealt in equal batch counts: a few repeats only where the counts force it
+            assert sum(repeated.values()) < max(old, new), (at, repeated)
+        resumed_next = [rank[1]["ids"][name] for rank in after]
+        if source == "parquet" or new > 1:  # orders that are pure in (seed, epoch, world)
+            assert resumed_next == [rank[1]["ids"][name] for rank in next_epoch], at
+        else:
+            assert sorted(resumed_next[0]) == sorted(next_epoch[0][1]["ids"][name]), at

@@ -96,37 +96,54 @@ def test_ray_data_split_is_exact_equal_and_reproducible(unequal_data: Path, tmp_
     assert _orders(runs[0]) == _orders(runs[1])
 
 
-@pytest.mark.timeout(420)
-def test_global_shuffle_on_raydls_actors_serves_every_rank(
+MODES = ("global", "files", "none")  # "none": shuffle=False
+
+
+@pytest.mark.timeout(660)
+def test_direct_plans_run_on_raydls_actors_for_every_rank(
     unequal_data: Path, tmp_path: Path
 ) -> None:
-    # A raydl read and a filter (output size unknown in advance): every rank on the fast path.
+    """Every mode of a direct plan on the fast path under 2 ranks, one launch per run.
+
+    A raydl read and a filter (its output size unknown in advance), in each mode:
+    the global shuffle (rank 0's map phase, every rank reducing its share) and the
+    streaming ones (rank 0 loads the runs and deals rows to the ranks).
+    """
     runs = []
     for run in range(2):
         prefix = tmp_path / f"run{run}"
         proc = _torchrun(
             str(SCRIPT), "--record", str(prefix), "--data", str(unequal_data),
-            "--reader", "raydl", "--shuffle-mode", "global", "--epochs", "3", timeout=200,
+            "--reader", "raydl", "--shuffle-mode", ",".join(MODES), "--epochs", "3",
+            timeout=300,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
-        runs.append(_records(prefix))
+        runs.append({mode: _records(Path(f"{prefix}-{mode}")) for mode in MODES})
     kept = [i for i in range(TOTAL_ROWS) if i % 10 != 7]
-    first = runs[0]
-    for epoch in range(3):
-        per_rank = [first[rank][epoch] for rank in (0, 1)]
-        for rank in (0, 1):
-            summary = per_rank[rank]["summary"]
-            assert "global shuffle" in summary and f"rank {rank} of 2" in summary, summary
-        assert per_rank[0]["batches"] == per_rank[1]["batches"]  # the all-reduces completed
-        assert len(per_rank[0]["ids"]) == len(per_rank[1]["ids"])
-        ids = per_rank[0]["ids"] + per_rank[1]["ids"]
-        assert max(Counter(ids).values()) == 1, "a row was delivered twice"
-        assert set(ids) <= set(kept) and len(kept) - 1 <= len(ids)  # at most world - 1 left out
-    assert len({tuple(first[0][epoch]["ids"]) for epoch in range(3)}) == 3  # new order per epoch
-    assert _orders(runs[0]) == _orders(runs[1])  # the same sequence on every rank on a rerun
-    # ... which stats()' fingerprints tell without the ids: equal on a rerun, new per epoch.
-    prints = [[[e["fingerprint"] for e in run[rank]] for rank in (0, 1)] for run in runs]
-    assert prints[0] == prints[1] and len({p for rank in prints[0] for p in rank}) == 6
+    for mode in MODES:
+        first = runs[0][mode]
+        for epoch in range(3):
+            per_rank = [first[rank][epoch] for rank in (0, 1)]
+            for rank in (0, 1):
+                summary = per_rank[rank]["summary"]
+                on_actors = "global shuffle" if mode == "global" else "rows dealt"
+                assert on_actors in summary and f"rank {rank} of 2" in summary, (mode, summary)
+            assert per_rank[0]["batches"] == per_rank[1]["batches"]  # the all-reduces completed
+            assert len(per_rank[0]["ids"]) == len(per_rank[1]["ids"]), mode
+            ids = per_rank[0]["ids"] + per_rank[1]["ids"]
+            assert max(Counter(ids).values()) == 1, f"{mode}: a row was delivered twice"
+            # at most world - 1 rows left out, whatever the filter left
+            assert set(ids) <= set(kept) and len(kept) - 1 <= len(ids), mode
+            if mode == "none":  # rows dealt in file order, no buffer: each rank's ascend
+                assert all(per_rank[r]["ids"] == sorted(per_rank[r]["ids"]) for r in (0, 1))
+        orders = {tuple(first[0][epoch]["ids"]) for epoch in range(3)}
+        assert len(orders) == (1 if mode == "none" else 3), mode  # a new order per epoch
+        assert _orders(runs[0][mode]) == _orders(runs[1][mode]), mode  # the same on a rerun
+        # ... which stats()' fingerprints tell without the ids: equal on a rerun, new per epoch.
+        prints = [[[e["fingerprint"] for e in run[mode][rank]] for rank in (0, 1)] for run in runs]
+        assert prints[0] == prints[1], mode
+        if mode != "none":
+            assert len({p for rank in prints[0] for p in rank}) == 6, mode
 
 
 @pytest.mark.timeout(300)

@@ -23,8 +23,9 @@ CPUs, runs on a pool of raydl's actors that lives as long as the loader:
 * the epoch's fetch thread keeps ``prefetch_factor`` runs per actor in flight,
   takes the results in order and cuts batches from them as from Ray's blocks.
 
-Anything else (another source, an all-to-all stage, a class stage, GPUs or
-custom resources, several ranks) runs as a Ray Data execution. Without a local
+Under several ranks rank 0 loads the runs and deals their rows to the ranks
+(``deal_ranks.py``). Anything else (another source, an all-to-all stage, a class
+stage, GPUs or custom resources) runs as a Ray Data execution. Without a local
 shuffle buffer the batches are exactly those of the Ray Data execution (rows in
 file order either way); with one they differ (the buffer sees other block
 boundaries), but the order is still a pure function of (seed, epoch).
@@ -40,11 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from raydl._internal.epochs.deal import deal
 from raydl._internal.epochs.exchange import Exchange, concat, partition_count
 from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
-from raydl._internal.stream.batching import row_count
+from raydl._internal.stream.batching import Batch, row_count
+from raydl._internal.stream.deal_producers import dealt_blocks
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, SplitCalls
 from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.pool import WorkerPool
@@ -257,7 +260,14 @@ class MapRun:
     paths: tuple[str, ...]
 
 
-Task = LoadRun | MapRun
+@dataclass(frozen=True)
+class DealRun:
+    """A request: load a run, its rows after every stage, to deal to ranks (``deal_ranks.py``)."""
+
+    paths: tuple[str, ...]
+
+
+Task = LoadRun | MapRun | DealRun
 
 
 @dataclass(frozen=True)
@@ -291,9 +301,14 @@ class EpochWork:
 
         :class:`LoadRun`: a list of numpy batches. :class:`MapRun`: ``(counts, piece_0,
         ..., piece_{P-1})``, one Ray object each (the call's ``num_returns``).
+        :class:`DealRun`: ``((rows of each batch, their bytes), the batches)``, two Ray
+        objects.
         """
         if isinstance(task, LoadRun):
             return self.load(task.paths)
+        if isinstance(task, DealRun):
+            loaded = self.load(task.paths)
+            return ([row_count(batch) for batch in loaded], loaded_bytes(loaded)), loaded
         assert self.exchange is not None
         counts, pieces = self.exchange.split(task.run, self.load(task.paths))
         return (counts, *pieces)
@@ -303,6 +318,8 @@ class EpochWork:
         if isinstance(task, MapRun):
             assert self.exchange is not None
             return (error, *([None] * self.exchange.partitions))
+        if isinstance(task, DealRun):
+            return error, None
         return error
 
 
@@ -426,6 +443,27 @@ class LocalRuns:
             if row_count(block):
                 yield block
 
+    def dealt(self, world_size: int) -> list[LocalBlocks]:
+        """The epoch's blocks as ``world_size`` ranks were dealt them (``deal.py``), per rank.
+
+        The same runs loaded the same way and dealt by the same rule give each rank
+        the blocks (row ranges of the runs' batches) it had, in its order.
+        """
+        loaded = [self._work.load(run, own_context=False) for run in self._runs]
+        counts = [[row_count(batch) for batch in batches] for batches in loaded]
+        return [
+            LocalBlocks(
+                [
+                    piece
+                    for each in mine
+                    for piece in dealt_blocks(
+                        loaded[each.run], counts[each.run], each.start, each.stop
+                    )
+                ]
+            )
+            for mine in deal([sum(c) for c in counts], world_size)
+        ]
+
     def shares(self, world_size: int) -> list[LocalRows]:
         """The epoch's rows as ``world_size`` ranks had them (``exchange.shares``)."""
         whole = concat(list(self.iter_batches()))
@@ -433,6 +471,16 @@ class LocalRuns:
             LocalRows({name: column[start:stop] for name, column in whole.items()})
             for start, stop in exchange_shares(row_count(whole), world_size)
         ]
+
+
+class LocalBlocks:
+    """One rank's blocks of a dealt :class:`LocalRuns` epoch, as a source of them."""
+
+    def __init__(self, blocks: list[Batch]) -> None:
+        self._blocks = blocks
+
+    def iter_batches(self, **_: Any) -> Iterator[Batch]:
+        yield from self._blocks
 
 
 class LocalRows:

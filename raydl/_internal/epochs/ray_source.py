@@ -7,10 +7,12 @@ A :class:`RaySource` turns the user's plan (a ``ray.data.Dataset`` or a
   as a Ray Data execution (:class:`~raydl._internal.stream.ray_producer.RayDataProducer`),
   or, for a simple file plan, on raydl's own actors (direct execution, a strategy:
   ``direct.py`` and :class:`~raydl._internal.stream.pool_producers.DirectProducer`).
-* **several ranks**: rank 0 plans the epoch and splits it with
-  ``streaming_split(world_size, equal=True)``; every rank receives a
-  :class:`RankPlan` by broadcast and reads its part. An epoch resumed at another
-  world size is rebuilt on rank 0 and dealt as tables (``resume.py``).
+* **several ranks**: rank 0 plans the epoch and every rank receives a
+  :class:`RankPlan` by broadcast. A simple file plan runs on rank 0's actors for
+  every rank (globally shuffled: ``exchange_ranks.py``; streaming: rows dealt,
+  ``deal_ranks.py``); any other is split with ``streaming_split(world_size,
+  equal=True)``. An epoch resumed at another world size is rebuilt on rank 0 and
+  dealt as tables (``resume.py``).
 
 The early start of the next epoch is a policy owned here, under one lock: a
 producer thread asks (:meth:`RaySource._start_early`), and the source starts the
@@ -20,12 +22,10 @@ epoch only if it is the one the next ``iter()`` will run and no resume is armed
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from raydl._internal.epochs.direct import (
@@ -39,8 +39,7 @@ from raydl._internal.epochs.direct import (
     start_pool,
 )
 from raydl._internal.epochs.elastic import batch_counts
-from raydl._internal.epochs.exchange import shares as exchange_shares
-from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase, start_board, stop_board
+from raydl._internal.epochs.exchange_ranks import stop_board
 from raydl._internal.epochs.overlap import NextEpoch
 from raydl._internal.epochs.plan import (
     STAGE_RETRIES,
@@ -49,14 +48,13 @@ from raydl._internal.epochs.plan import (
     plan_epoch,
     stage_names,
 )
-from raydl._internal.epochs.record import EpochRecord, EpochStart, RankPlan
-from raydl._internal.epochs.resume import ShareHolder, ray_shares
-from raydl._internal.epochs.shuffle import rank_seed
+from raydl._internal.epochs.ray_ranks import RankEpochs, RaySettings
+from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.state import LoaderState
-from raydl._internal.ray_compat.datasets import known_row_count, split_coordinator
+from raydl._internal.ray_compat.datasets import known_row_count
 from raydl._internal.runtime import cluster
 from raydl._internal.runtime.startup import Warm
-from raydl._internal.runtime.world import Channel, World
+from raydl._internal.runtime.world import World
 from raydl._internal.stream.batching import cut_batches
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
@@ -64,29 +62,14 @@ from raydl._internal.stream.pool_producers import DirectProducer
 from raydl._internal.stream.ray_producer import RayDataProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
 from raydl._internal.workers.pool import WorkerPool
-from raydl.options import LoaderOptions
 from raydl.pipelines import PerEpoch
-
-
-@dataclass(frozen=True)
-class RaySettings:
-    """The loader's arguments a Ray Data source's epochs need."""
-
-    batch_size: int
-    drop_last: bool
-    shuffle: bool
-    collate_fn: Callable[[Any], Any] | None
-    prefetch: int
-    timeout: float
-    seed: int
-    options: LoaderOptions
 
 
 def _ignore(_: object) -> None:
     """Nothing to stop."""
 
 
-class RaySource:
+class RaySource(RankEpochs):
     """The epochs of a ``ray.data.Dataset`` or :class:`~raydl.PerEpoch` plan."""
 
     def __init__(self, dataset: Any, settings: RaySettings, world: World) -> None:
@@ -101,7 +84,9 @@ class RaySource:
         self._next = NextEpoch()  # the next epoch, started early
         self._direct_pool: WorkerPool | None = None  # runs simple file plans (direct.py)
         self._splits: Any = None  # rank 0: the epoch's parts, alive until every rank ended it
-        self._board: Any = None  # several ranks, exchange epochs: rank 0's board (its actor)
+        self._board: Any = None  # several ranks, direct epochs: rank 0's board (its actor)
+        self._mode: str | None = None  # several ranks: the last epoch's direct mode, if any
+        self._dealing: EpochStart | None = None  # rank 0: its dealt epoch, until it is taken
 
     # -- what the loader asks -----------------------------------------------------------
 
@@ -186,6 +171,9 @@ class RaySource:
     def close(self) -> None:
         """Stop the early epoch, the direct actors and rank 0's splits."""
         self._next.discard()
+        dealing, self._dealing = self._dealing, None
+        if dealing is not None:
+            dealing.close()
         pool, self._direct_pool = self._direct_pool, None
         if pool is not None:
             pool.kill()
@@ -278,8 +266,9 @@ class RaySource:
             if self._expected == epoch - 1:
                 return False
             if self._expected == epoch and not self._resume_armed:
-                if self._world.is_distributed:  # only exchange epochs start early there
-                    self._next.start(epoch, lambda: self._rank_exchange(epoch, skip=0))
+                if self._world.is_distributed:  # only direct epochs start early there
+                    mode = self._mode  # as the current epoch: the broadcast says if not
+                    self._next.start(epoch, lambda: self._rank_direct(epoch, mode))
                 else:
                     self._next.start(epoch, lambda: self._single_rank(epoch, skip=0))
             return True
@@ -406,177 +395,3 @@ class RaySource:
             self._direct_pool = start_pool(direct, plan.dataset.context, self._settings.seed)
         pool = self._direct_pool
         return pool
-
-    # -- several ranks ------------------------------------------------------------------
-
-    def _ranks_epoch(self, epoch: int, resume: LoaderState | None, *, elastic: bool) -> EpochStart:
-        """This rank's part of the epoch rank 0 planned (the rest of ``resume``, if given).
-
-        ``elastic``: ``resume`` was saved at another world size; its rest is re-dealt.
-
-        Under several ranks the broadcast is also where rank 0 learns that every
-        rank finished the previous epoch, so it can let go of the previous parts.
-        """
-        world = self._world
-        plan = (
-            self._rank0_plan(epoch, resume, resume if elastic else None)
-            if world.rank == 0
-            else None
-        )
-        if world.is_distributed:
-            plan = Channel.get(world).broadcast(plan)
-        assert plan is not None
-        epoch = plan.epoch
-        self._retire_splits()
-        if plan.board is not None:
-            self._board = plan.board
-            skip = resume.batches_consumed if resume is not None else 0
-            started = self._next.take(epoch) if skip == 0 else None
-            if started is None:
-                self._next.discard()
-                started = self._rank_exchange(epoch, skip)
-            return started
-        self._next.discard()  # an early exchange epoch, if the plan changed since
-        self._splits = plan.parts if world.rank == 0 else None
-        record = EpochRecord(epoch=epoch)
-        if plan.are_splits:
-            source, length = plan.parts[world.rank], None
-            skip = resume.batches_consumed if resume is not None else 0
-            buffer, buffer_seed = plan.buffer, rank_seed(plan.buffer_seed, world.rank)
-        else:
-            assert resume is not None
-            source, length = self._elastic_share(plan.parts)
-            record.prior = resume.segments
-            skip, buffer, buffer_seed = 0, None, None
-        on_exhausted = None
-        if world.is_distributed:
-            timeout = self._settings.timeout
-            barrier_timeout = timeout if timeout > 0 else 1800.0
-            channel = Channel.get(world)
-
-            def on_exhausted() -> None:
-                channel.barrier(barrier_timeout, f"the end of epoch {epoch}")
-
-        producer = self._ray_producer(source, epoch, skip, buffer, buffer_seed)
-        if length is None:
-            length = self._length_or_none(epoch)
-        return EpochStart(producer, record, skip=skip, length=length, on_exhausted=on_exhausted)
-
-    def _rank0_plan(
-        self, epoch: int, resume: LoaderState | None, elastic: LoaderState | None
-    ) -> RankPlan:
-        """Rank 0's plan of the epoch for every rank (see :class:`RankPlan`)."""
-        world, settings = self._world, self._settings
-        if elastic is None:
-            # A resumed epoch runs the way it was saved (its order depends on it).
-            run_direct = self._settings.options.direct_execution
-            if resume is not None:
-                run_direct = resume.direct_execution is True
-            if run_direct and self._is_exchange(epoch):
-                if self._board is None:
-                    self._board = start_board(world.world_size)
-                return RankPlan(epoch, None, are_splits=False, board=self._board)
-            plan = self._epoch_plan(epoch)
-            splits = plan.dataset.streaming_split(world.world_size, equal=True)
-            return RankPlan(
-                epoch,
-                splits,
-                are_splits=True,
-                buffer=plan.local_shuffle_buffer_size,
-                buffer_seed=plan.local_shuffle_seed,
-            )
-        # The rest of the epoch is rebuilt the way it ran (its order depends on it).
-        plan, direct = self._plans(epoch, elastic.direct_execution is True)
-        shares: Any = ray_shares(
-            plan.dataset,
-            elastic,
-            world.world_size,
-            batch_size=settings.batch_size,
-            drop_last=settings.drop_last,
-            buffer=plan.local_shuffle_buffer_size,
-            buffer_seed=plan.local_shuffle_seed,
-            direct=direct,
-        )
-        if world.is_distributed:
-            import ray
-
-            shares = ray.remote(num_cpus=0)(ShareHolder).remote(shares)
-        return RankPlan(epoch, shares, are_splits=False)
-
-    def _is_exchange(self, epoch: int) -> bool:
-        """Whether ``epoch`` runs as a global shuffle on raydl's actors (rank 0 decides)."""
-        if self._next.epoch == epoch:
-            return True  # only exchange epochs start early under several ranks
-        direct = self._plans(epoch, True)[1]
-        return direct is not None and direct.exchange is not None
-
-    def _rank_exchange(self, epoch: int, skip: int) -> EpochStart:
-        """This rank's share of a globally shuffled direct epoch (``exchange_ranks.py``).
-
-        Rank 0 runs the map phase on the actors and posts it on the board; every
-        rank reduces its own contiguous share. Raises ``RuntimeError`` on rank 0 when
-        the epoch's plan is not one (an early start of it then does not happen).
-        """
-        import ray
-
-        world = self._world
-        board = self._board
-        assert board is not None, "the board comes with the first exchange epoch's plan"
-        phase: RankZeroPhase | BoardPhase
-        if world.rank == 0:
-            plan, direct = self._plans(epoch, True)
-            if direct is None or direct.exchange is None:
-                raise RuntimeError(f"epoch {epoch} is not a global shuffle on raydl's actors")
-            pool = self._pool_for(direct, plan)
-            work = ray.put(direct.work(plan.dataset.context))
-            phase = RankZeroPhase(pool, work, direct, board, epoch)
-            description = (
-                f"{' -> '.join(direct.names)} -> global shuffle "
-                f"({direct.exchange.partitions} partitions) on {len(pool)} raydl actors, "
-                f"rank 0 of {world.world_size}"
-            )
-        else:
-            phase = BoardPhase(board, epoch, world.rank)
-            description = f"global shuffle on raydl actors, rank {world.rank} of {world.world_size}"
-        producer = self._exchange_producer(
-            phase,
-            phase.reduce,
-            epoch=epoch,
-            skip=skip,
-            start_next=self._next_starter(epoch),
-            description=description,
-            share=lambda total: exchange_shares(total, world.world_size)[world.rank],
-        )
-        record = EpochRecord(epoch=epoch, direct=True)
-        return EpochStart(producer, record, skip=skip, length=self._length_or_none(epoch))
-
-    def _elastic_share(self, shares: Any) -> tuple[Any, int]:
-        """This rank's dataset of the rest of an elastic epoch, and its batch count."""
-        import ray
-        import ray.data
-
-        world, settings = self._world, self._settings
-        if world.is_distributed:
-            table = ray.get(shares.share.remote(world.rank))
-        else:
-            table = shares[world.rank]
-        count = batch_counts(table.num_rows, settings.batch_size, settings.drop_last)
-        return ray.data.from_arrow(table), count
-
-    def _retire_splits(self) -> None:
-        """Stop the previous epoch's split coordinator (rank 0 only; it owns it).
-
-        Every rank has moved past that epoch (they all reached this epoch's
-        broadcast, or the loader is closing), so nobody reads from it any more;
-        killing it stops an abandoned epoch's pipeline from holding cluster
-        resources while it waits for readers that will never come.
-        """
-        splits, self._splits = self._splits, None
-        if splits and cluster.is_connected():
-            # streaming_split's coordinator, or an elastic epoch's share holder
-            coordinator = split_coordinator(splits) if isinstance(splits, list) else splits
-            if coordinator is not None:
-                import ray
-
-                with contextlib.suppress(Exception):
-                    ray.kill(coordinator)

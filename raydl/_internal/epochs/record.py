@@ -76,8 +76,11 @@ class RankPlan:
         are_splits: Whether ``parts`` are split iterators.
         buffer: Rows of the local shuffle buffer (splits only).
         buffer_seed: Its seed before the rank's own offset (splits only).
-        board: For a globally shuffled direct epoch (``exchange_ranks.py``): the actor
-            through which rank 0 shares the epoch's map phase; ``parts`` is unused.
+        board: For a direct epoch: the actor through which rank 0 shares the epoch's
+            map phase (a global shuffle, ``exchange_ranks.py``) or deals its rows
+            (``deal_ranks.py``); ``parts`` is unused.
+        mode: A direct epoch's kind: ``"exchange"`` or ``"deal"``.
+        generation: A dealt epoch: rank 0's start of it, whose deals every rank takes.
     """
 
     epoch: int
@@ -86,3 +89,5 @@ class RankPlan:
     buffer: int | None = None
     buffer_seed: int | None = None
     board: Any = None
+    mode: str | None = None
+    generation: int | None = None

@@ -5,7 +5,9 @@
   with the RNG state or sampler epoch of the epoch start), per old rank; the
   indices left are dealt to the new ranks. Nothing is fetched twice.
 * Ray Data: rank 0 runs the epoch's plan split as it was (``streaming_split``
-  at the old world size, same seeds), drops each old rank's consumed batches,
+  at the old world size, same seeds; or, for an epoch that ran on raydl's actors,
+  its runs loaded again in this process and dealt or shared as the old ranks had
+  them), drops each old rank's consumed batches,
   and deals the remaining rows to the new ranks as small in-memory datasets.
   The cost: one pass of the epoch through the pipeline (the shuffle included)
   before the first batch, and the rest of the epoch held in the object store.
@@ -133,9 +135,15 @@ def ray_shares(
     streams: Sequence[Any]
     if direct is not None:
         # The epoch ran on raydl's actors: its runs are loaded again here, and with
-        # several ranks (a global shuffle) dealt into the shares the ranks had.
+        # several ranks cut into what each rank had (its share of a global shuffle,
+        # or the rows dealt to it, ``deal.py``).
         local = LocalRuns(direct, plan_dataset.context)
-        streams = [local] if old_world == 1 else local.shares(old_world)
+        if old_world == 1:
+            streams = [local]
+        elif direct.exchange is not None:
+            streams = local.shares(old_world)
+        else:
+            streams = local.dealt(old_world)
     elif old_world == 1:
         streams = [plan_dataset]
     else:

@@ -1,9 +1,9 @@
 """Versioned, JSON-able iteration state: where an epoch stood, and how to get back there.
 
-Schema (``version`` 2)::
+Schema (``version`` 3)::
 
     {
-      "version": 2,
+      "version": 3,
       "kind": "map" | "iterable" | "ray",   # the dataset kind it was saved from
       "epoch": int,                          # the epoch in progress (or the next one)
       "batches_consumed": int,               # batches handed to the trainer in that epoch
@@ -36,6 +36,12 @@ Schema (``version`` 2)::
 Batches prefetched but not yet returned by ``next()`` are not counted as
 consumed, so a resume re-delivers them. Version 1 states (no ``batch_size``,
 ``drop_last``, ``progress``, ``order``) still load, at the same world size.
+Version 3 changes what ``direct_execution: true`` means under several ranks: in
+a streaming mode the epoch's rows were dealt by rank 0 (``deal_ranks.py``); in
+version 2 only a global shuffle ran direct under several ranks (and a v2 state
+of a streaming epoch there says ``false``: it resumes on ``streaming_split`` as
+it ran), so v2 states read unchanged; the bump keeps an older raydl from
+misreading a v3 state of a dealt epoch (it refuses it, naming the version).
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ import torch
 
 from raydl.errors import StateMismatchError
 
-STATE_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+STATE_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
 
 
 def encode_rng(state: torch.Tensor) -> str:
