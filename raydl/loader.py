@@ -59,11 +59,17 @@ class RayDataLoader(Iterable[Any]):
       the training process, as torch does (no pickling, no Ray; ``timeout`` then
       needs ``num_workers > 0``). Ignored for ``ray.data.Dataset`` sources, whose
       parallelism is set per stage (``map_batches(num_cpus=..., concurrency=...)``).
+      ``"auto"`` (map-style datasets): start with one actor and add actors while
+      the trainer waits for data, up to ``cpu_budget``; see
+      ``stats()["autotune"]`` and docs/design.md, "num_workers='auto'". Refused
+      for an ``IterableDataset`` (its order depends on the worker count).
     * ``persistent_workers``: keep the actors (and their dataset state) between
       epochs; otherwise they are created at ``iter()`` and killed when the epoch
       ends, like torch's worker processes.
     * ``prefetch_factor``: batches in flight per actor (default 2), or batches
-      buffered ahead for ``ray.data.Dataset`` sources.
+      buffered ahead for ``ray.data.Dataset`` sources. ``"auto"`` (map-style):
+      start at 2 and add one while the trainer waits and the workers cannot grow
+      (at most 8); for a ``ray.data.Dataset``, 2.
     * ``multiprocessing_context``: checked as torch checks it, then unused: there
       are no subprocesses.
     * ``timeout``: seconds to wait for any one batch before raising
@@ -102,6 +108,7 @@ class RayDataLoader(Iterable[Any]):
         device: See :class:`LoaderOptions`.
         world: See :class:`LoaderOptions`.
         background_start: See :class:`LoaderOptions`.
+        cpu_budget: See :class:`LoaderOptions`.
 
     Under torchrun (several ranks) one Ray cluster and, for ``ray.data.Dataset``
     sources, one pipeline per epoch serve all ranks: rank 0 splits it with
@@ -127,7 +134,7 @@ class RayDataLoader(Iterable[Any]):
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[Any], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -136,7 +143,7 @@ class RayDataLoader(Iterable[Any]):
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
-        prefetch_factor: int | None = None,
+        prefetch_factor: int | str | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
@@ -153,6 +160,7 @@ class RayDataLoader(Iterable[Any]):
         device: str | torch.device | int | None = None,
         world: World | None = None,
         background_start: bool | None = None,
+        cpu_budget: float | None = None,
     ) -> None:
         checked = check(
             dataset,
@@ -182,12 +190,13 @@ class RayDataLoader(Iterable[Any]):
             device=device,
             world=world,
             background_start=background_start,
+            cpu_budget=cpu_budget,
         )
         self._world = world if world is not None else World.detect()
         args = with_defaults(checked, dataset, generator=generator, seed=seed, world=self._world)
         self.dataset = dataset
         self.num_workers = num_workers
-        self.prefetch_factor = args.prefetch_factor
+        self.prefetch_factor = prefetch_factor if args.auto_prefetch else args.prefetch_factor
         self.pin_memory = pin_memory
         self.pin_memory_device = pin_memory_device
         self.timeout = timeout
@@ -217,6 +226,7 @@ class RayDataLoader(Iterable[Any]):
         else:
             self._base_seed = 0
         prefetch = args.prefetch_factor if args.prefetch_factor is not None else 2
+        self._prefetch = prefetch  # an int ("auto" starts at 2)
         self._source: TorchSource | RaySource
         if args.kind == RAY:
             assert args.batch_size is not None  # refused for Ray Data sources by resolve()
@@ -239,7 +249,8 @@ class RayDataLoader(Iterable[Any]):
                 dataset,
                 TorchSettings(
                     args=args,
-                    num_workers=num_workers,
+                    # "auto" starts with one actor; the source asks the rule for more.
+                    num_workers=1 if args.auto_workers else num_workers,  # type: ignore[arg-type]
                     prefetch=prefetch,
                     in_order=in_order,
                     persistent_workers=persistent_workers,
@@ -248,6 +259,7 @@ class RayDataLoader(Iterable[Any]):
                     worker_options=dict(self.options.worker_options),
                     ray_address=ray_address,
                     timeout=timeout,
+                    cpu_budget=self.options.cpu_budget,
                 ),
                 self._world,
             )
@@ -361,12 +373,19 @@ class RayDataLoader(Iterable[Any]):
         (per epoch). These are this rank's figures; see :meth:`gather_stats`.
         ``skipped_files``: the files a reader with ``on_bad_file="skip"`` left out
         in this Ray job (``{"path", "reason"}`` each; counted once per file).
+        ``autotune`` (``num_workers="auto"`` / ``prefetch_factor="auto"`` only): the
+        workers, factor, depth and budget now, and ``changes``, every decision
+        (``epoch``, ``batch``, ``workers``, ``depth``, the window's ``stall`` and
+        ``rate``, ``reason``).
 
         Example:
             >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP
             0.013
         """
-        return {**summarize(self._stats), "skipped_files": skips.snapshot()}
+        out = {**summarize(self._stats), "skipped_files": skips.snapshot()}
+        if isinstance(self._source, TorchSource) and self._source.autotune() is not None:
+            out["autotune"] = self._source.autotune()
+        return out
 
     def gather_stats(self) -> list[dict[str, Any]] | None:
         """Every rank's :meth:`stats` on rank 0, in rank order (``None`` on other ranks).
@@ -435,7 +454,7 @@ class RayDataLoader(Iterable[Any]):
         self._expect(epoch + 1)
         pin = self._pinning.use()
         device = resolve_device(self.options.device)
-        prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
+        prefetch = self._prefetch
         if isinstance(self._source, RaySource):
             started = self._source.start_epoch(epoch, resume)
         else:
