@@ -1,0 +1,185 @@
+"""The ``num_workers="auto"`` / ``prefetch_factor="auto"`` rule (stream/autotune.py), without Ray.
+
+A simulated loader: ``k`` workers deliver ``per_worker`` batches/s each, the trainer
+takes one every ``step`` s, and the trainer's wait per batch is what the slower of
+the two leaves. The rule sees only those waits and times, as on the fetch thread.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raydl._internal.runtime import env
+from raydl._internal.stream import autotune
+from raydl._internal.stream.autotune import AutoTuner, worker_budget
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(
+    tuner: AutoTuner,
+    batches: int,
+    *,
+    per_worker: float,
+    step: float,
+    cores: float = 1e9,
+    factor_helps: bool = False,
+    clock: float = 0.0,
+) -> float:
+    """Feed ``batches`` batches; new workers are admitted at once. Returns the clock."""
+    for _ in range(batches):
+        workers = min(tuner.workers, cores)
+        supply = workers * per_worker * (1.0 if not factor_helps else min(1.0, tuner.factor / 4))
+        period = max(step, 1.0 / supply)
+        waited = period - step
+        clock += period
+        tuner.observe(waited=waited, at=clock)
+        if tuner.want > tuner.workers:
+            tuner.admitted(tuner.want, at=clock)
+    return clock
+
+
+def tuner(**kw: object) -> AutoTuner:
+    args: dict[str, object] = {
+        "budget": 8,
+        "workers": 1,
+        "factor": 2,
+        "auto_workers": True,
+        "auto_factor": False,
+    }
+    args.update(kw)
+    return AutoTuner(**args)  # type: ignore[arg-type]
+
+
+def test_a_starved_trainer_gets_workers_until_it_is_fed() -> None:
+    # The trainer takes 100 batches/s; each worker makes 30: four workers feed it.
+    t = tuner()
+    run(t, 400, per_worker=30, step=0.01)
+    assert t.workers == 4
+    assert [c.workers for c in t.changes if c.reason.startswith("starved")] == [2, 4]
+    first = t.changes[0]
+    assert first.stall > autotune.TARGET_STALL and first.epoch == 0 and first.batch > 1
+
+
+def test_growth_is_proportional_to_the_stall_and_at_most_doubles() -> None:
+    # Stall 0.25 with 3 workers: 3 / 0.75 = 4 workers keep up; an all-waiting trainer doubles.
+    t = tuner(workers=3)
+    run(t, 30, per_worker=25, step=0.01)  # 75/s of the 100/s wanted: one window
+    assert t.want == 4
+    t = tuner(workers=3)
+    for i in range(30):  # the trainer only waits; the new workers are not in yet
+        t.observe(waited=0.1, at=0.1 * i)
+    assert t.want == 6
+
+
+def test_the_budget_is_never_exceeded() -> None:
+    t = tuner(budget=3)
+    run(t, 500, per_worker=10, step=0.001)
+    assert t.workers == t.want == 3
+    assert max(c.workers for c in t.changes) == 3
+    assert t.max_depth == 3 * 2
+
+
+def test_a_fed_trainer_changes_nothing() -> None:
+    t = tuner()
+    run(t, 300, per_worker=200, step=0.01)
+    assert (t.workers, t.factor, t.changes) == (1, 2, [])
+
+
+def test_workers_that_gain_nothing_are_given_back_and_not_asked_for_again() -> None:
+    # Two cores: a third and fourth worker add nothing, so the step to 4 is undone.
+    t = tuner()
+    run(t, 600, per_worker=30, step=0.0, cores=2)
+    reasons = [c.reason for c in t.changes]
+    assert t.workers == 2, reasons
+    assert "no gain: back to workers 2" in reasons
+    assert sum(r.startswith("starved: grow") for r in reasons) == 2  # 1 -> 2 -> 4, no more
+
+
+def test_no_decision_while_new_workers_start() -> None:
+    t = tuner()
+    clock = 0.0
+    for _ in range(200):  # never admitted: the actor is still importing torch
+        clock += 0.05
+        t.observe(waited=0.05, at=clock)
+    assert (t.workers, t.want) == (1, 2)
+    assert len(t.changes) == 1
+    t.admitted(2, at=clock)
+    assert t.changes[-1].reason == "admitted" and t.workers == 2
+
+
+def test_auto_factor_grows_only_when_the_workers_cannot() -> None:
+    # The factor matters here (supply scales with factor / 4) and the budget is 2.
+    t = tuner(budget=2, auto_factor=True)
+    run(t, 800, per_worker=60, step=0.01, factor_helps=True)
+    assert t.workers == 2
+    assert t.factor == 4 and t.depth == 8
+    kinds = [c.reason for c in t.changes if c.reason.startswith("starved")]
+    assert kinds[0].startswith("starved: grow") and kinds[-1] == "starved: factor 4"
+
+
+def test_a_factor_step_that_gains_nothing_is_undone() -> None:
+    t = tuner(budget=1, auto_factor=True)
+    run(t, 400, per_worker=50, step=0.0)  # throughput-bound: depth cannot help
+    assert t.factor == 2
+    assert "no gain: back to factor 2" in [c.reason for c in t.changes]
+
+
+def test_fixed_workers_with_auto_factor_never_grow_the_pool() -> None:
+    t = tuner(budget=3, workers=3, auto_workers=False, auto_factor=True)
+    assert t.max_depth == 3 * autotune.MAX_FACTOR  # how far ahead the trainer draws
+    run(t, 300, per_worker=10, step=0.01)
+    assert t.workers == t.want == 3
+    assert [c.reason for c in t.changes][:2] == ["starved: factor 3", "no gain: back to factor 2"]
+
+
+def test_the_first_batch_of_an_epoch_is_not_measured() -> None:
+    t = tuner()
+    t.start_epoch(5)
+    t.observe(waited=10.0, at=10.0)  # the pipeline's fill
+    clock = run(t, 50, per_worker=500, step=0.01, clock=10.0)
+    assert t.changes == [] and clock > 10.0
+    assert t.report()["changes"] == []
+
+
+def test_the_report_is_json_able_and_names_each_change() -> None:
+    t = tuner()
+    run(t, 200, per_worker=30, step=0.01)
+    report = json.loads(json.dumps(t.report()))
+    assert report["budget"] == 8 and report["workers"] == t.workers
+    assert set(report["changes"][0]) == {
+        "epoch",
+        "batch",
+        "workers",
+        "depth",
+        "stall",
+        "rate",
+        "reason",
+    }
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="workers <= budget"):
+        AutoTuner(budget=2, workers=3, factor=2, auto_workers=True, auto_factor=False)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "trainers", "per", "expected"),
+    [(8, 1, 1, 7), (2, 1, 1, 1), (1, 1, 1, 1), (16, 2, 2, 7), (4, 0, 0, 4), (3.5, 0, 1, 3)],
+)
+def test_worker_budget(cpus: float, trainers: int, per: float, expected: int) -> None:
+    assert worker_budget(cpus, trainers, per) == expected
+
+
+def test_cpu_budget_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(env.CPU_BUDGET, raising=False)
+    assert env.cpu_budget_default() is None
+    monkeypatch.setenv(env.CPU_BUDGET, "6")
+    assert env.cpu_budget_default() == 6.0
+    monkeypatch.setenv(env.CPU_BUDGET, "lots")
+    with pytest.raises(ValueError, match="RAYDL_CPU_BUDGET should be a positive number"):
+        env.cpu_budget_default()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert env.local_world_size() == 4
