@@ -50,7 +50,9 @@ def test_auto_grows_a_starved_pool_within_its_budget_and_keeps_torchs_order() ->
         generator=torch.Generator().manual_seed(7),
         cpu_budget=3,
     )
-    epochs = [list(loader) for _ in range(3)]
+    epochs: list[list[Any]] = []
+    while len(epochs) < 3 or (loader.stats()["autotune"]["workers"] == 1 and len(epochs) < 10):
+        epochs.append(list(loader))  # more epochs only where actors start slowly (a busy machine)
     report = loader.stats()["autotune"]
     loader.close()
 
@@ -60,7 +62,9 @@ def test_auto_grows_a_starved_pool_within_its_budget_and_keeps_torchs_order() ->
     assert grows and all(c["workers"] <= 3 for c in report["changes"]), report["changes"]
     assert grows[0]["stall"] > 0.02
     # Every batch in torch's order, each sample exactly once per epoch, whoever loaded it.
-    assert [_indices(e) for e in epochs] == _torch_order(len(dataset), 3, seed=7, batch_size=8)
+    assert [_indices(e) for e in epochs] == _torch_order(
+        len(dataset), len(epochs), seed=7, batch_size=8
+    )
     workers = {w for e in epochs for b in e for w in b["worker"].tolist()}
     assert len(workers) > 1 and workers <= {0, 1, 2}
     # get_worker_info() counts the budget, whatever is in use.

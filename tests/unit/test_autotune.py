@@ -183,3 +183,15 @@ def test_cpu_budget_env(monkeypatch: pytest.MonkeyPatch) -> None:
         env.cpu_budget_default()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert env.local_world_size() == 4
+
+
+def test_one_spare_worker_is_kept_started_while_the_rule_may_grow() -> None:
+    t = tuner(budget=3)
+    assert (t.workers, t.started) == (1, 2)
+    run(t, 400, per_worker=30, step=0.01)  # grows to the budget
+    assert t.workers == t.started == 3
+    fixed = tuner(budget=4, workers=4, auto_workers=False, auto_factor=True)
+    assert fixed.started == 4
+    capped = tuner()
+    run(capped, 600, per_worker=30, step=0.0, cores=2)  # 4 undone: 2 is the ceiling
+    assert capped.workers == capped.started == 2

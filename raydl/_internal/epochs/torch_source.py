@@ -357,7 +357,7 @@ class TorchSource:
             restartable=not self._iterable,
             options=self._settings.worker_options,
             ahead=ahead,
-            start=tuner.workers if tuner is not None else None,
+            start=tuner.started if tuner is not None else None,
         )
         if tuner is not None:
             self._tuners[pool] = tuner

@@ -144,6 +144,17 @@ class AutoTuner:
         return self.factor * self.workers
 
     @property
+    def started(self) -> int:
+        """Workers to keep started: those wanted, and one spare while the rule may grow.
+
+        The spare imports torch and unpickles the dataset before it is needed, so
+        the first step up is admitted at once; it gets requests only once wanted.
+        """
+        if self.workers < self._workers_ceiling:
+            return min(self._workers_ceiling, max(self.want, self.workers + 1))
+        return self.want
+
+    @property
     def max_depth(self) -> int:
         """The deepest the rule can go: how far ahead the trainer draws from the sampler."""
         return self._factor_ceiling * (self.budget if self.auto_workers else self.workers)

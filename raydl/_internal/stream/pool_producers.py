@@ -23,7 +23,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.utils.data._utils import ExceptionWrapper
@@ -157,10 +157,11 @@ class MapStyleProducer(_PoolProducer):
         self._sent = self._taken = 0
         self._extra = 0  # requests a device copy stage holds, on top of the tuner's depth
         self._starting: deque[tuple[int, Any]] = deque()  # (worker id, its `ready` reply)
+        self._asked = 0
         if tuner is not None:
             tuner.start_epoch(epoch)
             self._dispatch.width = tuner.workers
-            self._ask_ready(range(tuner.workers, min(len(pool.actors), tuner.want)))
+            self._asked = tuner.workers  # the next worker to ask `ready` of, once wanted
             self._extra = max(0, lookahead - tuner.depth)
             lookahead = tuner.max_depth + self._extra
         for _ in range(max(1, lookahead)):
@@ -242,13 +243,17 @@ class MapStyleProducer(_PoolProducer):
         if tuner is None:
             return
         pool = self._pool
-        while len(pool.actors) < tuner.want:
-            actor = pool.add()  # type: ignore[attr-defined]  # a WorkerPool
-            self._starting.append((len(pool.actors) - 1, self._calls.submit(actor, "ready")))
+        while len(pool.actors) < tuner.started:
+            pool.add()  # type: ignore[attr-defined]  # a WorkerPool
+        while self._asked < min(tuner.want, len(pool.actors)):
+            actor = pool.actors[self._asked]
+            self._starting.append((self._asked, self._calls.submit(actor, "ready")))
+            self._asked += 1
         while self._starting:
             worker_id, ref = self._starting[0]
             if worker_id >= tuner.want:  # the rule went back meanwhile
                 self._starting.clear()
+                self._asked = tuner.want
                 break
             if not self._calls.wait([ref], 0):
                 break
@@ -257,11 +262,6 @@ class MapStyleProducer(_PoolProducer):
         if self._dispatch.width != tuner.workers:
             self._dispatch.width = tuner.workers
         self._send_held()
-
-    def _ask_ready(self, worker_ids: Iterable[int]) -> None:
-        for worker_id in worker_ids:
-            actor = self._pool.actors[worker_id]
-            self._starting.append((worker_id, self._calls.submit(actor, "ready")))
 
 
 class IterableProducer(_PoolProducer):
