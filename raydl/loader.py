@@ -59,17 +59,12 @@ class RayDataLoader(Iterable[Any]):
       the training process, as torch does (no pickling, no Ray; ``timeout`` then
       needs ``num_workers > 0``). Ignored for ``ray.data.Dataset`` sources, whose
       parallelism is set per stage (``map_batches(num_cpus=..., concurrency=...)``).
-      ``"auto"`` (map-style datasets): start with one actor and add actors while
-      the trainer waits for data, up to ``cpu_budget``; see
-      ``stats()["autotune"]`` and docs/design.md, "num_workers='auto'". Refused
-      for an ``IterableDataset`` (its order depends on the worker count).
+      ``"auto"`` (map-style only): grown while the trainer waits, within ``cpu_budget``.
     * ``persistent_workers``: keep the actors (and their dataset state) between
       epochs; otherwise they are created at ``iter()`` and killed when the epoch
       ends, like torch's worker processes.
     * ``prefetch_factor``: batches in flight per actor (default 2), or batches
-      buffered ahead for ``ray.data.Dataset`` sources. ``"auto"`` (map-style):
-      start at 2 and add one while the trainer waits and the workers cannot grow
-      (at most 8); for a ``ray.data.Dataset``, 2.
+      buffered ahead for ``ray.data.Dataset`` sources; ``"auto"``: tuned as ``num_workers``.
     * ``multiprocessing_context``: checked as torch checks it, then unused: there
       are no subprocesses.
     * ``timeout``: seconds to wait for any one batch before raising
@@ -225,8 +220,7 @@ class RayDataLoader(Iterable[Any]):
             )
         else:
             self._base_seed = 0
-        prefetch = args.prefetch_factor if args.prefetch_factor is not None else 2
-        self._prefetch = prefetch  # an int ("auto" starts at 2)
+        prefetch = self._prefetch = args.prefetch_factor if args.prefetch_factor is not None else 2
         self._source: TorchSource | RaySource
         if args.kind == RAY:
             assert args.batch_size is not None  # refused for Ray Data sources by resolve()
@@ -249,7 +243,6 @@ class RayDataLoader(Iterable[Any]):
                 dataset,
                 TorchSettings(
                     args=args,
-                    # "auto" starts with one actor; the source asks the rule for more.
                     num_workers=1 if args.auto_workers else num_workers,  # type: ignore[arg-type]
                     prefetch=prefetch,
                     in_order=in_order,
@@ -373,19 +366,13 @@ class RayDataLoader(Iterable[Any]):
         (per epoch). These are this rank's figures; see :meth:`gather_stats`.
         ``skipped_files``: the files a reader with ``on_bad_file="skip"`` left out
         in this Ray job (``{"path", "reason"}`` each; counted once per file).
-        ``autotune`` (``num_workers="auto"`` / ``prefetch_factor="auto"`` only): the
-        workers, factor, depth and budget now, and ``changes``, every decision
-        (``epoch``, ``batch``, ``workers``, ``depth``, the window's ``stall`` and
-        ``rate``, ``reason``).
+        ``autotune``: what ``"auto"`` decided (docs/design.md, "num_workers='auto'").
 
         Example:
             >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP
             0.013
         """
-        out = {**summarize(self._stats), "skipped_files": skips.snapshot()}
-        if isinstance(self._source, TorchSource) and self._source.autotune() is not None:
-            out["autotune"] = self._source.autotune()
-        return out
+        return {**summarize(self._stats), "skipped_files": skips.snapshot(), **_tuned(self._source)}
 
     def gather_stats(self) -> list[dict[str, Any]] | None:
         """Every rank's :meth:`stats` on rank 0, in rank order (``None`` on other ranks).
@@ -454,14 +441,13 @@ class RayDataLoader(Iterable[Any]):
         self._expect(epoch + 1)
         pin = self._pinning.use()
         device = resolve_device(self.options.device)
-        prefetch = self._prefetch
         if isinstance(self._source, RaySource):
             started = self._source.start_epoch(epoch, resume)
         else:
             # With a device copy, the copy stage holds batches of its own: the sampler
             # runs that much further ahead, so the workers keep as much in flight.
             started = self._source.start_epoch(
-                epoch, resume, lookahead=prefetch + 1 if device else 0
+                epoch, resume, lookahead=self._prefetch + 1 if device else 0
             )
         record = self._record = started.record
         if record.epoch != epoch:  # several ranks: rank 0's epoch is everyone's
@@ -470,7 +456,7 @@ class RayDataLoader(Iterable[Any]):
         if device is not None:
             copier = CudaCopier(device)
             name = f"raydl-epoch-{record.epoch}-to-{device}"
-            producer = DeviceCopy(producer, copier, depth=prefetch, name=name)
+            producer = DeviceCopy(producer, copier, depth=self._prefetch, name=name)
         iterator = EpochIterator(
             producer,
             epoch=record.epoch,
@@ -512,6 +498,12 @@ class RayDataLoader(Iterable[Any]):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _tuned(source: TorchSource | RaySource) -> dict[str, Any]:
+    """``{"autotune": ...}`` for ``stats()`` with ``num_workers="auto"``, else nothing."""
+    report = source.autotune() if isinstance(source, TorchSource) else None
+    return {} if report is None else {"autotune": report}
 
 
 def _progress_bar(length: int | None, epoch: int) -> Any:
