@@ -8,12 +8,16 @@ the two leaves. The rule sees only those waits and times, as on the fetch thread
 from __future__ import annotations
 
 import json
+import time
+from typing import Any
 
 import pytest
 
 from raydl._internal.runtime import env
 from raydl._internal.stream import autotune
 from raydl._internal.stream.autotune import AutoTuner, worker_budget
+from raydl._internal.stream.dispatch import ResultTimeout
+from raydl._internal.stream.pool_producers import MapStyleProducer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -195,3 +199,91 @@ def test_one_spare_worker_is_kept_started_while_the_rule_may_grow() -> None:
     capped = tuner()
     run(capped, 600, per_worker=30, step=0.0, cores=2)  # 4 undone: 2 is the ceiling
     assert capped.workers == capped.started == 2
+
+
+# -- the fetch thread's side (MapStyleProducer) over fake actors -------------------------
+
+
+class _Actor:
+    def __init__(self, name: str, start_s: float) -> None:
+        self.name = name
+        self.ready_at = time.monotonic() + start_s  # importing torch, unpickling
+        self.free_at = self.ready_at
+
+
+class _Ref:
+    def __init__(self, ready_at: float, value: Any) -> None:
+        self.ready_at, self.value = ready_at, value
+
+
+class _Calls:
+    """Each actor runs its calls one after another, ``work_s`` per batch."""
+
+    def __init__(self, work_s: float) -> None:
+        self.work_s = work_s
+        self.sent: list[tuple[str, Any]] = []
+
+    def submit(self, actor: _Actor, method: str, *args: Any) -> _Ref:
+        if method == "ready":
+            return _Ref(actor.ready_at, None)
+        self.sent.append((actor.name, args[0]))
+        actor.free_at = max(actor.free_at, time.monotonic()) + self.work_s
+        return _Ref(actor.free_at, (tuple(args[0]), actor.name))
+
+    def get(self, ref: _Ref, timeout: float) -> Any:
+        wait = ref.ready_at - time.monotonic()
+        if wait > timeout:
+            time.sleep(timeout)
+            raise ResultTimeout
+        time.sleep(max(0.0, wait))
+        return ref.value
+
+    def wait(self, refs: Any, timeout: float) -> list[_Ref]:
+        time.sleep(timeout)
+        return [r for r in refs if r.ready_at <= time.monotonic()][:1]
+
+
+class _Pool:
+    def __init__(self, start: int, start_s: float) -> None:
+        self.start_s = start_s
+        self.actors = [_Actor(f"w{i}", 0.0) for i in range(start)]
+
+    def add(self) -> _Actor:
+        self.actors.append(_Actor(f"w{len(self.actors)}", self.start_s))
+        return self.actors[-1]
+
+    def restart(self, worker_id: int, dead: Any) -> Any:
+        raise AssertionError("no worker dies here")
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_grown_mid_epoch_delivers_every_batch_once_in_order() -> None:
+    t = tuner(budget=3)
+    pool, calls = _Pool(t.started, start_s=0.3), _Calls(work_s=0.01)
+    requests = [[2 * i, 2 * i + 1] for i in range(240)]
+    producer = MapStyleProducer(
+        pool, iter(requests), lookahead=t.depth, in_order=True, calls=calls, tuner=t
+    )
+    got = []
+    outstanding = []
+    try:
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = producer.handoff.take(10.0)
+            except StopIteration:
+                break
+            producer.taken(time.perf_counter() - started)
+            got.append(batch)
+            outstanding.append(len(calls.sent) - len(got))
+    finally:
+        producer.close()
+    assert [list(indices) for indices, _ in got] == requests  # each once, in request order
+    assert sorted(tuple(r) for _, r in calls.sent) == sorted(tuple(r) for r in requests)
+    assert t.workers == 3 and len(pool.actors) == 3
+    assert {who for _, who in got} == {"w0", "w1", "w2"}
+    assert [who for _, who in got[:8]] == ["w0"] * 8  # the spare waits until it is wanted
+    assert max(outstanding) <= t.max_depth
