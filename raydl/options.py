@@ -69,9 +69,9 @@ class LoaderOptions:
             environment variable ``RAYDL_BACKGROUND_START`` is ``0``.
         cpu_budget: With ``num_workers="auto"``: the CPUs its actors may use (each
             counts as ``worker_options["num_cpus"]``, or 1), so at most
-            ``cpu_budget / that`` workers. ``None``: ``RAYDL_CPU_BUDGET`` if set,
-            else the Ray cluster's CPUs minus one per trainer process on this node
-            (torchrun's ``LOCAL_WORLD_SIZE``), at least one worker.
+            ``cpu_budget / that`` workers (per rank). ``None``: ``RAYDL_CPU_BUDGET``
+            if set, else the Ray cluster's CPUs less one per rank (the trainers'
+            own), shared equally by the ranks; at least one worker.
     """
 
     seed: int | None = None

@@ -170,11 +170,11 @@ def test_bad_settings_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cpus", "trainers", "per", "expected"),
-    [(8, 1, 1, 7), (2, 1, 1, 1), (1, 1, 1, 1), (16, 2, 2, 7), (4, 0, 0, 4), (3.5, 0, 1, 3)],
+    ("cpus", "per", "ranks", "expected"),
+    [(8, 1, 1, 7), (2, 1, 1, 1), (1, 1, 1, 1), (18, 2, 2, 4), (4, 0, 0, 4), (3.5, 1, 0, 3)],
 )
-def test_worker_budget(cpus: float, trainers: int, per: float, expected: int) -> None:
-    assert worker_budget(cpus, trainers, per) == expected
+def test_worker_budget(cpus: float, per: float, ranks: int, expected: int) -> None:
+    assert worker_budget(cpus, per, ranks=ranks) == expected
 
 
 def test_cpu_budget_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,8 +185,6 @@ def test_cpu_budget_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(env.CPU_BUDGET, "lots")
     with pytest.raises(ValueError, match="RAYDL_CPU_BUDGET should be a positive number"):
         env.cpu_budget_default()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert env.local_world_size() == 4
 
 
 def test_one_spare_worker_is_kept_started_while_the_rule_may_grow() -> None:

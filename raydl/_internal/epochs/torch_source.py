@@ -39,7 +39,7 @@ from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.resume import map_style_share, sampler_spec
 from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.runtime.cluster import is_connected
-from raydl._internal.runtime.env import cpu_budget_default, local_world_size
+from raydl._internal.runtime.env import cpu_budget_default
 from raydl._internal.runtime.env import ray_address as ray_address_env
 from raydl._internal.runtime.startup import Warm
 from raydl._internal.runtime.world import World
@@ -92,9 +92,9 @@ class TorchSource:
         self._tuners: weakref.WeakKeyDictionary[WorkerPool, AutoTuner] = weakref.WeakKeyDictionary()
         self._last_tuner: AutoTuner | None = None  # of the last epoch started
         self._budget: int | None = None  # num_workers="auto": the most workers
-        if self._auto:
+        if settings.args.auto_workers:
             self._cpus_checked = True  # the budget is within the CPUs: nothing to warn
-        if settings.num_workers > 0 and (is_connected() or settings.ray_address is None):
+        elif settings.num_workers > 0 and (is_connected() or settings.ray_address is None):
             self._check_cpus()  # else: at the first epoch, once the cluster is known
 
     @property
@@ -112,12 +112,12 @@ class TorchSource:
             per = float(self._settings.worker_options.get("num_cpus") or 1)
             cpus = self._settings.cpu_budget or cpu_budget_default()
             if cpus is not None:
-                self._budget = worker_budget(cpus, 0, per)
-            else:
+                self._budget = worker_budget(cpus, per)
+            else:  # the cluster's, less one CPU per rank, shared by the ranks' loaders
                 import ray
 
                 total = float(ray.cluster_resources().get("CPU", 1))
-                self._budget = worker_budget(total, local_world_size(), per)
+                self._budget = worker_budget(total, per, ranks=self._world.world_size)
         return self._budget
 
     @property

@@ -57,15 +57,9 @@ def cpu_budget_default() -> float | None:
     if not value > 0:
         raise ValueError(
             f"{CPU_BUDGET} should be a positive number of CPUs, got {CPU_BUDGET}={raw!r}; "
-            "unset it for the default (the cluster's CPUs minus this node's trainer processes)"
+            "unset it for the default (the cluster's CPUs less one per rank, shared by the ranks)"
         )
     return value
-
-
-def local_world_size() -> int:
-    """The trainer processes on this node: torchrun's ``LOCAL_WORLD_SIZE``, else 1."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(raw) if raw.strip().isdigit() and int(raw) > 0 else 1
 
 
 #: Variables torchrun sets for each rank; Ray processes started by a rank must not inherit them.

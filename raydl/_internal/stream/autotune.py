@@ -48,24 +48,26 @@ MIN_GAIN = 0.05
 MAX_FACTOR = 8
 
 
-def worker_budget(cpus: float, trainers: int, cpus_per_worker: float) -> int:
-    """The default ceiling of ``num_workers="auto"``: the CPUs the trainers leave, in workers.
+def worker_budget(cpus: float, cpus_per_worker: float, *, ranks: int = 0) -> int:
+    """The ceiling of ``num_workers="auto"``: a share of ``cpus``, in workers.
 
     Args:
-        cpus: The CPUs the actors may use (the cluster's, or the ``cpu_budget`` option).
-        trainers: Trainer processes to leave a CPU each (this node's ranks; 0 when
-            ``cpus`` is an explicit budget).
+        cpus: The CPUs (the cluster's, or the ``cpu_budget`` option).
         cpus_per_worker: What one worker counts as (``worker_options["num_cpus"]``, or 1).
+        ranks: Trainer processes sharing the cluster: each is left one CPU and gets an
+            equal share of the rest. ``0``: ``cpus`` are this loader's alone (an
+            explicit budget).
 
     Returns:
         At least 1.
 
     Example:
-        >>> worker_budget(8, 1, 1), worker_budget(2, 1, 1), worker_budget(16, 2, 2)
-        (7, 1, 7)
+        >>> worker_budget(8, 1, ranks=1), worker_budget(2, 1, ranks=1), worker_budget(18, 2, ranks=2)
+        (7, 1, 4)
     """
     per = cpus_per_worker if cpus_per_worker > 0 else 1.0
-    return max(1, math.floor((cpus - trainers) / per + 1e-9))
+    share = (cpus - ranks) / ranks if ranks else cpus
+    return max(1, math.floor(share / per + 1e-9))
 
 
 @dataclass(frozen=True)
