@@ -62,8 +62,10 @@ def worker_budget(cpus: float, cpus_per_worker: float, *, ranks: int = 0) -> int
         At least 1.
 
     Example:
-        >>> worker_budget(8, 1, ranks=1), worker_budget(2, 1, ranks=1), worker_budget(18, 2, ranks=2)
-        (7, 1, 4)
+        >>> worker_budget(8, 1, ranks=1), worker_budget(2, 1, ranks=1)
+        (7, 1)
+        >>> worker_budget(18, 2, ranks=2)  # two ranks, two CPUs per worker
+        4
     """
     per = cpus_per_worker if cpus_per_worker > 0 else 1.0
     share = (cpus - ranks) / ranks if ranks else cpus
