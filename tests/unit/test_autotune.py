@@ -148,6 +148,19 @@ def test_the_first_batch_of_an_epoch_is_not_measured() -> None:
     assert t.report()["changes"] == []
 
 
+def test_epochs_shorter_than_a_window_add_up_without_the_gaps_between_them() -> None:
+    t = tuner()
+    clock = 0.0
+    for epoch in range(8):  # four batches an epoch, a trainer that only waits
+        t.start_epoch(epoch)
+        clock += 5.0  # a long pause between epochs (evaluation): not counted
+        for _ in range(4):
+            clock += 0.1
+            t.observe(waited=0.1, at=clock)
+    grows = [c for c in t.changes if c.reason.startswith("starved")]
+    assert grows and grows[0].epoch == 2 and grows[0].stall == 1.0, t.changes
+
+
 def test_the_report_is_json_able_and_names_each_change() -> None:
     t = tuner()
     run(t, 200, per_worker=30, step=0.01)

@@ -21,7 +21,8 @@
   alive, idle (no requests); the pool never kills a worker it grew.
 * Never fewer workers otherwise: no shrinking when the trainer is fed.
 
-The first batch of each epoch is not measured (its wait is the pipeline's fill).
+The first batch of each epoch is not measured (its wait is the pipeline's fill), nor the
+gap before it; a window goes on across epochs, so short epochs add up.
 The depth (batches requested and not yet taken by the trainer) is
 ``factor * workers``. Every decision is appended to :attr:`AutoTuner.changes`.
 
@@ -137,9 +138,8 @@ class AutoTuner:
         self.changes: list[Change] = []
         self.epoch = 0
         self._batch = 0
-        self._skip_next = True
-        self._start: float | None = None
-        self._waited = 0.0
+        self._last: float | None = None  # when the last measured batch came (None: not yet)
+        self._elapsed = self._waited = 0.0  # the window's, between measured batches
         self._n = 0
 
     @property
@@ -164,24 +164,27 @@ class AutoTuner:
         return self._factor_ceiling * (self.budget if self.auto_workers else self.workers)
 
     def start_epoch(self, epoch: int) -> None:
-        """A new epoch uses the pool: its first batch is not measured."""
+        """A new epoch uses the pool: its first batch is not measured.
+
+        The window goes on across epochs (less the gap between them), so epochs
+        shorter than a window still add up to decisions.
+        """
         self.epoch = epoch
         self._batch = 0
-        self._skip_next = True
-        self._start = None
+        self._last = None
 
     def observe(self, *, waited: float, at: float) -> None:
         """The trainer waited ``waited`` s for a batch it got at time ``at`` (s, monotonic)."""
         self._batch += 1
-        if self._skip_next or self._start is None:
-            self._skip_next = False
-            self._restart_window(at)
+        last, self._last = self._last, at
+        if last is None:
             return
+        self._elapsed += at - last
         self._waited += waited
         self._n += 1
-        elapsed = at - self._start
-        if self._n < WINDOW_BATCHES or elapsed < WINDOW_S:
+        if self._n < WINDOW_BATCHES or self._elapsed < WINDOW_S:
             return
+        elapsed = self._elapsed
         stall, rate = min(1.0, self._waited / elapsed), self._n / elapsed
         self._restart_window(at)
         self._decide(stall, rate)
@@ -208,7 +211,7 @@ class AutoTuner:
     # -- the rule ---------------------------------------------------------------------
 
     def _restart_window(self, at: float) -> None:
-        self._start, self._waited, self._n = at, 0.0, 0
+        self._last, self._elapsed, self._waited, self._n = at, 0.0, 0.0, 0
 
     def _decide(self, stall: float, rate: float) -> None:
         if self.want > self.workers:
@@ -225,7 +228,7 @@ class AutoTuner:
             return
         if self.workers < self._workers_ceiling:
             k = self.workers
-            enough = 2 * k if stall >= 0.5 else math.ceil(k / (1 - stall))
+            enough = 2 * k if stall >= 0.5 else math.ceil(k / (1 - stall) - 1e-6)
             self.want = min(self._workers_ceiling, 2 * k, max(k + 1, enough))
             self._trial = _Trial("workers", k, rate, stall)
             self._note(f"starved: grow to {self.want} workers", stall, rate, workers=self.want)
