@@ -102,6 +102,24 @@ def test_workers_that_gain_nothing_are_given_back_and_not_asked_for_again() -> N
     assert sum(r.startswith("starved: grow") for r in reasons) == 2  # 1 -> 2 -> 4, no more
 
 
+def test_one_noisy_window_does_not_undo_a_step() -> None:
+    t = tuner()
+    clock = 0.0
+
+    def window(period: float, batches: int = 10) -> None:
+        nonlocal clock
+        for _ in range(batches):
+            clock += period
+            t.observe(waited=period, at=clock)  # the trainer only waits
+
+    window(0.1)  # 10 batches/s: grow to 2
+    t.admitted(2, at=clock)
+    window(0.1)  # no better (the machine was busy)
+    assert t.workers == 2 and not any(c.reason.startswith("no gain") for c in t.changes)
+    window(0.05)  # twice the rate: kept
+    assert "kept" in [c.reason for c in t.changes] and t.workers == 2
+
+
 def test_no_decision_while_new_workers_start() -> None:
     t = tuner()
     clock = 0.0

@@ -14,9 +14,9 @@
   never stalls a batch); the window then starts afresh.
 * Starved at the workers' ceiling, with ``prefetch_factor="auto"``: one more
   batch in flight per worker (at most :data:`MAX_FACTOR`).
-* **Each step is a trial.** The next full window keeps it when the rate rose by
-  :data:`MIN_GAIN` or the stall fell to the target or to half of what it was;
-  otherwise the step is undone and its value becomes the ceiling (more workers
+* **Each step is a trial.** One of the next :data:`TRIAL_WINDOWS` full windows
+  keeps it when the rate rose by :data:`MIN_GAIN` or the stall fell to the target
+  or to half of what it was; otherwise the step is undone and its value becomes the ceiling (more workers
   than cores, or a bottleneck in the trainer, gains nothing). Undone workers stay
   alive, idle (no requests); the pool never kills a worker it grew.
 * Never fewer workers otherwise: no shrinking when the trainer is fed.
@@ -45,6 +45,8 @@ WINDOW_BATCHES = 8
 WINDOW_S = 0.25
 #: The rise in rate that keeps a step (when the stall did not fall enough).
 MIN_GAIN = 0.05
+#: Windows a step gets to show a gain before it is undone (one noisy window must not undo it).
+TRIAL_WINDOWS = 2
 #: The most batches in flight per worker with ``prefetch_factor="auto"``.
 MAX_FACTOR = 8
 
@@ -92,6 +94,7 @@ class _Trial:
     before: int
     rate: float
     stall: float
+    windows: int = TRIAL_WINDOWS  # windows left to show a gain
 
 
 class AutoTuner:
@@ -220,6 +223,10 @@ class AutoTuner:
         if trial is not None:
             if rate >= trial.rate * (1 + MIN_GAIN) or stall <= max(TARGET_STALL, trial.stall / 2):
                 self._note("kept", stall, rate)
+            elif trial.windows > 1:
+                trial.windows -= 1
+                self._trial = trial  # one more window to show it
+                return
             else:
                 self._undo(trial)
                 self._note(f"no gain: back to {trial.knob} {trial.before}", stall, rate)
