@@ -59,11 +59,12 @@ class RayDataLoader(Iterable[Any]):
       the training process, as torch does (no pickling, no Ray; ``timeout`` then
       needs ``num_workers > 0``). Ignored for ``ray.data.Dataset`` sources, whose
       parallelism is set per stage (``map_batches(num_cpus=..., concurrency=...)``).
+      ``"auto"`` (map-style only): grown while the trainer waits, within ``cpu_budget``.
     * ``persistent_workers``: keep the actors (and their dataset state) between
       epochs; otherwise they are created at ``iter()`` and killed when the epoch
       ends, like torch's worker processes.
     * ``prefetch_factor``: batches in flight per actor (default 2), or batches
-      buffered ahead for ``ray.data.Dataset`` sources.
+      buffered ahead for ``ray.data.Dataset`` sources; ``"auto"``: tuned as ``num_workers``.
     * ``multiprocessing_context``: checked as torch checks it, then unused: there
       are no subprocesses.
     * ``timeout``: seconds to wait for any one batch before raising
@@ -102,6 +103,7 @@ class RayDataLoader(Iterable[Any]):
         device: See :class:`LoaderOptions`.
         world: See :class:`LoaderOptions`.
         background_start: See :class:`LoaderOptions`.
+        cpu_budget: See :class:`LoaderOptions`.
 
     Under torchrun (several ranks) one Ray cluster and, for ``ray.data.Dataset``
     sources, one pipeline per epoch serve all ranks: rank 0 splits it with
@@ -127,7 +129,7 @@ class RayDataLoader(Iterable[Any]):
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[Any], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -136,7 +138,7 @@ class RayDataLoader(Iterable[Any]):
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
-        prefetch_factor: int | None = None,
+        prefetch_factor: int | str | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
@@ -153,6 +155,7 @@ class RayDataLoader(Iterable[Any]):
         device: str | torch.device | int | None = None,
         world: World | None = None,
         background_start: bool | None = None,
+        cpu_budget: float | None = None,
     ) -> None:
         checked = check(
             dataset,
@@ -182,12 +185,13 @@ class RayDataLoader(Iterable[Any]):
             device=device,
             world=world,
             background_start=background_start,
+            cpu_budget=cpu_budget,
         )
         self._world = world if world is not None else World.detect()
         args = with_defaults(checked, dataset, generator=generator, seed=seed, world=self._world)
         self.dataset = dataset
         self.num_workers = num_workers
-        self.prefetch_factor = args.prefetch_factor
+        self.prefetch_factor = prefetch_factor if args.auto_prefetch else args.prefetch_factor
         self.pin_memory = pin_memory
         self.pin_memory_device = pin_memory_device
         self.timeout = timeout
@@ -216,7 +220,7 @@ class RayDataLoader(Iterable[Any]):
             )
         else:
             self._base_seed = 0
-        prefetch = args.prefetch_factor if args.prefetch_factor is not None else 2
+        prefetch = self._prefetch = args.prefetch_factor if args.prefetch_factor is not None else 2
         self._source: TorchSource | RaySource
         if args.kind == RAY:
             assert args.batch_size is not None  # refused for Ray Data sources by resolve()
@@ -239,7 +243,7 @@ class RayDataLoader(Iterable[Any]):
                 dataset,
                 TorchSettings(
                     args=args,
-                    num_workers=num_workers,
+                    num_workers=1 if args.auto_workers else num_workers,  # type: ignore[arg-type]
                     prefetch=prefetch,
                     in_order=in_order,
                     persistent_workers=persistent_workers,
@@ -248,6 +252,7 @@ class RayDataLoader(Iterable[Any]):
                     worker_options=dict(self.options.worker_options),
                     ray_address=ray_address,
                     timeout=timeout,
+                    cpu_budget=self.options.cpu_budget,
                 ),
                 self._world,
             )
@@ -361,12 +366,13 @@ class RayDataLoader(Iterable[Any]):
         (per epoch). These are this rank's figures; see :meth:`gather_stats`.
         ``skipped_files``: the files a reader with ``on_bad_file="skip"`` left out
         in this Ray job (``{"path", "reason"}`` each; counted once per file).
+        ``autotune``: what ``"auto"`` decided (docs/design.md, "num_workers='auto'").
 
         Example:
             >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP
             0.013
         """
-        return {**summarize(self._stats), "skipped_files": skips.snapshot()}
+        return {**summarize(self._stats), "skipped_files": skips.snapshot(), **_tuned(self._source)}
 
     def gather_stats(self) -> list[dict[str, Any]] | None:
         """Every rank's :meth:`stats` on rank 0, in rank order (``None`` on other ranks).
@@ -435,14 +441,13 @@ class RayDataLoader(Iterable[Any]):
         self._expect(epoch + 1)
         pin = self._pinning.use()
         device = resolve_device(self.options.device)
-        prefetch = self.prefetch_factor if self.prefetch_factor is not None else 2
         if isinstance(self._source, RaySource):
             started = self._source.start_epoch(epoch, resume)
         else:
             # With a device copy, the copy stage holds batches of its own: the sampler
             # runs that much further ahead, so the workers keep as much in flight.
             started = self._source.start_epoch(
-                epoch, resume, lookahead=prefetch + 1 if device else 0
+                epoch, resume, lookahead=self._prefetch + 1 if device else 0
             )
         record = self._record = started.record
         if record.epoch != epoch:  # several ranks: rank 0's epoch is everyone's
@@ -451,7 +456,7 @@ class RayDataLoader(Iterable[Any]):
         if device is not None:
             copier = CudaCopier(device)
             name = f"raydl-epoch-{record.epoch}-to-{device}"
-            producer = DeviceCopy(producer, copier, depth=prefetch, name=name)
+            producer = DeviceCopy(producer, copier, depth=self._prefetch, name=name)
         iterator = EpochIterator(
             producer,
             epoch=record.epoch,
@@ -493,6 +498,12 @@ class RayDataLoader(Iterable[Any]):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _tuned(source: TorchSource | RaySource) -> dict[str, Any]:
+    """``{"autotune": ...}`` for ``stats()`` with ``num_workers="auto"``, else nothing."""
+    report = source.autotune() if isinstance(source, TorchSource) else None
+    return {} if report is None else {"autotune": report}
 
 
 def _progress_bar(length: int | None, epoch: int) -> Any:

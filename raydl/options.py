@@ -67,6 +67,11 @@ class LoaderOptions:
             torchrun's key-value store, never a collective. ``False``: everything
             starts at the first ``iter()``. ``None`` (default): on, unless the
             environment variable ``RAYDL_BACKGROUND_START`` is ``0``.
+        cpu_budget: With ``num_workers="auto"``: the CPUs its actors may use (each
+            counts as ``worker_options["num_cpus"]``, or 1), so at most
+            ``cpu_budget / that`` workers (per rank). ``None``: ``RAYDL_CPU_BUDGET``
+            if set, else the Ray cluster's CPUs less one per rank (the trainers'
+            own), shared equally by the ranks; at least one worker.
     """
 
     seed: int | None = None
@@ -82,10 +87,18 @@ class LoaderOptions:
     device: str | torch.device | int | None = None
     world: World | None = None
     background_start: bool | None = None
+    cpu_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.background_start is None:
             object.__setattr__(self, "background_start", env.background_start_default())
+        budget = self.cpu_budget
+        if budget is not None and (
+            not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0
+        ):
+            raise ValueError(
+                f"cpu_budget option should be a positive number of CPUs or None, got {budget!r}"
+            )
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
         ):

@@ -440,15 +440,44 @@ class RayDLGlobal(RayDL):
     tabular_shuffle_mode = "global"
 
 
-REGISTRY: dict[str, Contender] = {
-    c.name: c for c in (Limit(), Torch(), PlainRay(), RayDL(), RayDLGlobal())
-}
-
-#: The contenders ``--sweep-workers`` runs at each ``num_workers`` (``torch_w4``, ``raydl_w4``).
-#: The ``auto`` contender (``num_workers="auto"``, issue 16 item 3) goes next to them here.
-SWEPT = ("torch", "raydl")
 #: The workloads a sweep covers: a torch map-style ``Dataset`` (images: its ``dataset``).
 SWEPT_WORKLOADS = frozenset({"mapstyle", "mapstyle_decode", "images", "images_rgb224"})
+
+
+class RayDLAuto(Contender):
+    """``raydl_auto``: the map-style call with ``num_workers="auto"``, ``prefetch_factor="auto"``.
+
+    Within the benchmark's CPU budget (``cpu_budget=NUM_CPUS``, as every contender
+    gets ``NUM_CPUS``); the image workloads through their map-style ``Dataset``, as
+    the sweep's ``raydl_wN`` do, so that the table compares it with their best.
+    """
+
+    name = "raydl_auto"
+    colour = "tab:olive"
+    uses_ray = True
+    workloads = SWEPT_WORKLOADS
+
+    def images(self, data: ImageData) -> Loader:
+        return self._auto(data.dataset, data.batch_size)
+
+    def mapstyle(self, data: MapStyleData) -> Loader:
+        return self._auto(data.dataset, data.batch_size)
+
+    def _auto(self, dataset: Dataset, batch_size: int) -> Loader:
+        from raydl import RayDataLoader
+
+        args: dict[str, Any] = {**map_style_args(batch_size), "num_workers": "auto"}
+        loader = RayDataLoader(dataset, **args, prefetch_factor="auto", cpu_budget=NUM_CPUS)
+        return TorchLoader(loader)
+
+
+REGISTRY: dict[str, Contender] = {
+    c.name: c for c in (Limit(), Torch(), PlainRay(), RayDL(), RayDLGlobal(), RayDLAuto())
+}
+
+#: The contenders ``--sweep-workers`` runs at each ``num_workers`` (``torch_w4``, ``raydl_w4``);
+#: ``raydl_auto`` is compared with their best.
+SWEPT = ("torch", "raydl")
 
 _VARIANT = re.compile(r"^(?P<base>[a-z_]+?)(?:_w(?P<workers>\d+))?(?:_pause(?P<pause>\d+))?$")
 

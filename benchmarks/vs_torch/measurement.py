@@ -237,6 +237,7 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
             stats.append(epoch_stats)
             if stall_name:
                 stalls[stall_name] = epoch_stats.stall_fraction
+        autotune = _autotune(loader)
     finally:
         loader.close()
     peak = memory.stop()
@@ -255,7 +256,22 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
         "stall_fraction": stalls,
         "exactly_once": all(s.exactly_once for s in stats),
         "epochs": [asdict(s) for s in stats],
+        "autotune": autotune,
     }
+
+
+def _autotune(loader: Any) -> dict[str, Any] | None:
+    """``stats()["autotune"]`` of a raydl loader with ``num_workers="auto"``, else ``None``.
+
+    Args:
+        loader: The contender's ``Loader``.
+
+    Returns:
+        The rule's state and changes.
+    """
+    stats = getattr(getattr(loader, "loader", None), "stats", None)
+    report: dict[str, Any] | None = stats().get("autotune") if callable(stats) else None
+    return report
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,6 +310,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if any("1.0x" in s for s in stalls):
         out["stall_fraction_1x"] = statistics.median(s["1.0x"] for s in stalls if "1.0x" in s)
+    tuned = [r["autotune"] for r in ok if r.get("autotune")]
+    if tuned:  # raydl_auto: where the rule ended in each round
+        out["autotune"] = [{k: t[k] for k in ("workers", "factor", "budget")} for t in tuned]
     if len(ok) < len(runs):
         out["error"] = "; ".join(r["error"] for r in runs if "error" in r)
     return out

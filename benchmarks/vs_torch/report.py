@@ -205,17 +205,24 @@ def markdown(results: Results) -> str:
         )
     best = best_settings(results)
     if best:
-        # The `auto` contender (num_workers="auto", issue 16 item 3) gets its column here.
         lines += ["", "| workload | " + " | ".join(f"best {n} (num_workers)" for n in SWEPT)]
-        lines[-1] += " | best raydl / best torch |"
-        lines.append("|---|" + "---:|" * (len(SWEPT) + 1))
+        lines[-1] += (
+            " | best raydl / best torch | raydl_auto | auto / best raydl | auto / best torch |"
+        )
+        lines.append("|---|" + "---:|" * (len(SWEPT) + 4))
         for workload, by_loader in best.items():
             cells = []
             for loader in SWEPT:
                 got = by_loader.get(loader)
                 cells.append(f"{got[1]:,.0f} ({got[0]})" if got else "n/a")
             rates = {k: v[1] for k, v in by_loader.items()}
-            cells.append(ratio(rates.get("raydl"), rates.get("torch")))
+            auto = results[workload].get("raydl_auto", {}).get("samples_per_s")
+            cells += [
+                ratio(rates.get("raydl"), rates.get("torch")),
+                "n/a" if auto is None else f"{auto:,.0f}",
+                ratio(auto, rates.get("raydl")),
+                ratio(auto, rates.get("torch")),
+            ]
             lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     return "\n".join(lines + memory_lines(results))
 

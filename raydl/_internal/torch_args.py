@@ -36,6 +36,24 @@ from raydl.pipelines import PerEpoch
 #: The kinds of dataset, as a saved state names them.
 MAP, ITERABLE, RAY = "map", "iterable", "ray"
 
+#: ``num_workers`` / ``prefetch_factor``: tuned by the loader (``stream/autotune.py``).
+AUTO = "auto"
+
+
+def is_auto(value: Any, option: str) -> bool:
+    """Whether ``value`` is ``"auto"``; any other string is an error naming ``option``.
+
+    Ints (and whatever else torch accepts) go on to torch's own checks unchanged.
+    """
+    if not isinstance(value, str):
+        return False
+    if value == AUTO:
+        return True
+    raise ValueError(
+        f"{option} option should be a non-negative int or 'auto', got {option}={value!r}; "
+        f"use {option}='auto' to let the loader tune it"
+    )
+
 
 def dataset_kind(obj: object) -> str:
     """``"ray"`` for a ``ray.data.Dataset`` or :class:`PerEpoch`, else torch's two kinds."""
@@ -64,6 +82,8 @@ class TorchArgs:
         auto_sharded: ``sampler`` is the ``DistributedSampler`` raydl added.
         multiprocessing_context: torch's context object (a start method's name
             resolved), or ``None``; checked as torch checks it, not used.
+        auto_workers: ``num_workers="auto"`` (then checked as torch checks ``1``).
+        auto_prefetch: ``prefetch_factor="auto"`` (``prefetch_factor`` is then 2, the start).
     """
 
     kind: str
@@ -76,6 +96,8 @@ class TorchArgs:
     prefetch_factor: int | None
     auto_sharded: bool
     multiprocessing_context: Any = None
+    auto_workers: bool = False
+    auto_prefetch: bool = False
 
 
 def check(
@@ -85,11 +107,11 @@ def check(
     shuffle: bool | None,
     sampler: Sampler[Any] | Iterable[Any] | None,
     batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None,
-    num_workers: int,
+    num_workers: int | str,
     collate_fn: Callable[[Any], Any] | None,
     drop_last: bool,
     timeout: float,
-    prefetch_factor: int | None,
+    prefetch_factor: int | str | None,
     persistent_workers: bool,
     multiprocessing_context: Any = None,
 ) -> TorchArgs:
@@ -100,7 +122,27 @@ def check(
     adds torch's samplers and collate function. An ``IterDataPipe``'s shufflers
     are switched on or off by ``shuffle`` (torch's ``apply_shuffle_settings``,
     in place), as torch's ``DataLoader`` does.
+
+    ``num_workers="auto"`` is checked as torch checks ``num_workers=1`` (it starts
+    there), ``prefetch_factor="auto"`` as ``2``; both need a map-style dataset
+    (for a ``ray.data.Dataset`` they are ignored, as ``num_workers`` is).
     """
+    auto_workers = is_auto(num_workers, "num_workers")
+    auto_prefetch = is_auto(prefetch_factor, "prefetch_factor")
+    kind = dataset_kind(dataset)
+    if kind == ITERABLE and (auto_workers or auto_prefetch):
+        option = "num_workers" if auto_workers else "prefetch_factor"
+        raise ValueError(
+            f"{option}='auto' needs a map-style dataset, but got an IterableDataset: its "
+            "batches come round-robin from its workers and its sharding reads "
+            "get_worker_info().num_workers, so its order depends on the worker count, "
+            f"which 'auto' would change while it runs; pass an int (e.g. {option}=2)"
+        )
+    if auto_workers:
+        num_workers = 1
+    if auto_prefetch:
+        prefetch_factor = 2
+    assert not isinstance(num_workers, str) and not isinstance(prefetch_factor, str)
     if num_workers < 0:
         raise ValueError(
             "num_workers option should be non-negative; "
@@ -120,7 +162,6 @@ def check(
     if persistent_workers and num_workers == 0:
         raise ValueError("persistent_workers option needs num_workers > 0")
 
-    kind = dataset_kind(dataset)
     if kind != RAY and num_workers == 0 and timeout > 0:
         raise ValueError(
             f"timeout option needs num_workers > 0, but got timeout={timeout!r} with "
@@ -184,6 +225,8 @@ def check(
         prefetch_factor=prefetch_factor,
         auto_sharded=False,
         multiprocessing_context=multiprocessing_context,
+        auto_workers=auto_workers and kind == MAP,
+        auto_prefetch=auto_prefetch and kind == MAP,
     )
 
 

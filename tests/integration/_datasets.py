@@ -171,3 +171,20 @@ class DieOnceData(TensorData):
                 os.close(fd)
                 os._exit(1)
         return super().__getitem__(index)
+
+
+class SlowWorkerData(TensorData):
+    """Sleeps ``delay`` s per sample (no CPU) and reports the loader worker that loaded it."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        time.sleep(self.delay)
+        info = get_worker_info()
+        return {
+            "index": index,
+            "worker": -1 if info is None else info.id,
+            "num_workers": -1 if info is None else info.num_workers,
+        }

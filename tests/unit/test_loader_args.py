@@ -353,3 +353,46 @@ def test_set_epoch_sets_the_next_epoch() -> None:
 def test_a_world_of_the_wrong_type_is_named_before_it_is_used() -> None:
     with pytest.raises(TypeError, match=r"world option should be a raydl.World or None, got tuple"):
         RayDataLoader(list(range(10)), world=(0, 2))  # type: ignore[arg-type]
+
+
+# -- num_workers="auto" / prefetch_factor="auto" ------------------------------------------
+
+
+def test_auto_is_accepted_for_a_map_style_dataset_and_kept_as_given() -> None:
+    loader = RayDataLoader(MAP, batch_size=2, num_workers="auto", prefetch_factor="auto")
+    assert loader.num_workers == "auto" and loader.prefetch_factor == "auto"
+    assert len(loader) == len(DataLoader(MAP, batch_size=2))
+    fixed = RayDataLoader(MAP, batch_size=2, num_workers="auto")
+    assert fixed.prefetch_factor == 2  # torch's default with workers
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"num_workers": "many"},
+            "num_workers option should be a non-negative int or 'auto', got num_workers='many'",
+        ),
+        (
+            {"num_workers": 2, "prefetch_factor": "Auto"},
+            "prefetch_factor option should be a non-negative int or 'auto', got "
+            "prefetch_factor='Auto'",
+        ),
+        ({"num_workers": -1}, "num_workers option should be non-negative"),  # torch's
+        (
+            {"num_workers": 0, "prefetch_factor": "auto"},  # torch's: no workers, no prefetch
+            "prefetch_factor option could only be specified in multiprocessing",
+        ),
+        ({"num_workers": "auto", "cpu_budget": 0}, "cpu_budget option should be a positive"),
+    ],
+)
+def test_bad_auto_values_name_the_option(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        RayDataLoader(MAP, **kwargs)
+
+
+@pytest.mark.parametrize("option", ["num_workers", "prefetch_factor"])
+def test_auto_is_refused_for_an_iterable_dataset(option: str) -> None:
+    kwargs: dict[str, Any] = {"num_workers": 2, option: "auto"}
+    with pytest.raises(ValueError, match=f"{option}='auto' needs a map-style dataset"):
+        RayDataLoader(StreamData(), **kwargs)

@@ -43,7 +43,7 @@ class ListProducer(Producer):
 
         self.handoff.start(body, name="raydl-test-producer")
 
-    def taken(self) -> None:
+    def taken(self, waited: float) -> None:
         self.taken_calls += 1
 
     def close(self, *, stalled: bool = False) -> None:

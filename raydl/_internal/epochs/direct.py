@@ -47,7 +47,6 @@ from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
 from raydl._internal.stream.batching import Batch, row_count
-from raydl._internal.stream.deal_producers import dealt_blocks
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, SplitCalls
 from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.pool import WorkerPool
@@ -449,6 +448,9 @@ class LocalRuns:
         The same runs loaded the same way and dealt by the same rule give each rank
         the blocks (row ranges of the runs' batches) it had, in its order.
         """
+        # Here, not at the top: the actors import this module, and the producers' modules import torch.
+        from raydl._internal.stream.deal_producers import dealt_blocks
+
         loaded = [self._work.load(run, own_context=False) for run in self._runs]
         counts = [[row_count(batch) for batch in batches] for batches in loaded]
         return [

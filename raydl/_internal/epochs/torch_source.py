@@ -25,6 +25,7 @@ rank 0's): seed the ranks alike.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +39,11 @@ from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.resume import map_style_share, sampler_spec
 from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.runtime.cluster import is_connected
+from raydl._internal.runtime.env import cpu_budget_default
 from raydl._internal.runtime.env import ray_address as ray_address_env
 from raydl._internal.runtime.startup import Warm
 from raydl._internal.runtime.world import World
+from raydl._internal.stream.autotune import AutoTuner, worker_budget
 from raydl._internal.stream.batching import skip_consumed
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.in_process import InProcessProducer, LengthWatch
@@ -69,6 +72,7 @@ class TorchSettings:
     worker_options: dict[str, Any]
     ray_address: str | None = None
     timeout: float = 0
+    cpu_budget: float | None = None  # num_workers="auto": see LoaderOptions.cpu_budget
 
 
 class TorchSource:
@@ -85,8 +89,36 @@ class TorchSource:
         self._worker_seed: int | None = None  # base seed of the persistent workers
         self._len_called: int | None = None  # len(dataset) as len(loader) last saw it
         self._cpus_checked = False
-        if settings.num_workers > 0 and (is_connected() or settings.ray_address is None):
+        self._tuners: weakref.WeakKeyDictionary[WorkerPool, AutoTuner] = weakref.WeakKeyDictionary()
+        self._last_tuner: AutoTuner | None = None  # of the last epoch started
+        self._budget: int | None = None  # num_workers="auto": the most workers
+        if settings.args.auto_workers:
+            self._cpus_checked = True  # the budget is within the CPUs: nothing to warn
+        elif settings.num_workers > 0 and (is_connected() or settings.ray_address is None):
             self._check_cpus()  # else: at the first epoch, once the cluster is known
+
+    @property
+    def _auto(self) -> bool:
+        return self._args.auto_workers or self._args.auto_prefetch
+
+    def autotune(self) -> dict[str, Any] | None:
+        """``stats()["autotune"]``: the rule's state and changes of the last epoch's pool."""
+        tuner = self._last_tuner
+        return None if tuner is None else tuner.report()
+
+    def _worker_budget(self) -> int:
+        """``num_workers="auto"``'s most workers (Ray is connected): see ``LoaderOptions.cpu_budget``."""
+        if self._budget is None:
+            per = float(self._settings.worker_options.get("num_cpus") or 1)
+            cpus = self._settings.cpu_budget or cpu_budget_default()
+            if cpus is not None:
+                self._budget = worker_budget(cpus, per)
+            else:  # the cluster's, less one CPU per rank, shared by the ranks' loaders
+                import ray
+
+                total = float(ray.cluster_resources().get("CPU", 1))
+                self._budget = worker_budget(total, per, ranks=self._world.world_size)
+        return self._budget
 
     @property
     def in_process(self) -> bool:
@@ -218,12 +250,15 @@ class TorchSource:
         else:
             # A resumed map-style epoch skips the consumed batches' indices: nothing is
             # fetched again.
+            tuner = self._last_tuner = self._tuners.get(pool)
             producer = MapStyleProducer(
                 pool,
                 skip_consumed(index_iter, skip),
-                lookahead=prefetch * len(pool) + lookahead,
+                lookahead=(tuner.depth if tuner is not None else prefetch * len(pool)) + lookahead,
                 in_order=self._settings.in_order,
                 on_close=on_close,
+                tuner=tuner,
+                epoch=epoch,
             )
         return EpochStart(producer, record, skip=skip, length=length)
 
@@ -315,18 +350,35 @@ class TorchSource:
         return self._new_pool(spec)
 
     def _new_pool(self, spec: WorkerSpec, *, ahead: bool = False) -> WorkerPool:
-        return WorkerPool(
+        tuner = self._new_tuner(spec) if self._auto else None
+        pool = WorkerPool(
             self._dataset,
             spec,
             restartable=not self._iterable,
             options=self._settings.worker_options,
             ahead=ahead,
+            start=tuner.started if tuner is not None else None,
+        )
+        if tuner is not None:
+            self._tuners[pool] = tuner
+        return pool
+
+    def _new_tuner(self, spec: WorkerSpec) -> AutoTuner:
+        """The rule's state for a new pool: one worker (or the fixed count), factor 2 (or the fixed one)."""
+        args = self._args
+        return AutoTuner(
+            budget=spec.num_workers,
+            workers=1 if args.auto_workers else spec.num_workers,
+            factor=self._settings.prefetch,
+            auto_workers=args.auto_workers,
+            auto_factor=args.auto_prefetch,
         )
 
     def _spec(self, base_seed: int) -> WorkerSpec:
         args, settings = self._args, self._settings
+        workers = self._worker_budget() if args.auto_workers else max(1, settings.num_workers)
         return WorkerSpec(
-            num_workers=max(1, settings.num_workers),
+            num_workers=workers,
             collate_fn=args.collate_fn,
             auto_collation=args.batch_sampler is not None,
             worker_init_fn=settings.worker_init_fn,

@@ -46,6 +46,31 @@ def lean_ray() -> bool:
     return os.environ.get(LEAN_RAY, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
+#: CPUs ``num_workers="auto"`` may use for its actors (the ``cpu_budget`` option's default).
+CPU_BUDGET = "RAYDL_CPU_BUDGET"
+
+
+def cpu_budget_default() -> float | None:
+    """``RAYDL_CPU_BUDGET`` as a positive number, ``None`` when unset or empty.
+
+    Raises:
+        ValueError: It is set to something else (the message names the variable).
+    """
+    raw = os.environ.get(CPU_BUDGET, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"{CPU_BUDGET} should be a positive number of CPUs, got {CPU_BUDGET}={raw!r}; "
+            "unset it for the default (the cluster's CPUs less one per rank, shared by the ranks)"
+        )
+    return value
+
+
 #: Variables torchrun sets for each rank; Ray processes started by a rank must not inherit them.
 TORCHRUN_VARS = (
     "RANK",

@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from torch.utils.data._utils import ExceptionWrapper
-
 from raydl._internal.stream.batching import Batch, skip_consumed
 from raydl._internal.stream.dispatch import (
     Calls,
@@ -38,6 +36,7 @@ from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import slices
 from raydl._internal.stream.handoff import SLICE_S, Handoff, Stopped
 from raydl._internal.workers.convert import owned_blocks
+from raydl._internal.workers.failure import RemoteError
 from raydl.errors import LoaderTimeoutError, RayDLError
 
 #: How long one wait for deals lasts before the caller checks whether to stop.
@@ -302,7 +301,7 @@ class DealingProducer(DealtProducer):
                 self._dealer_start_next = None
             no_run: tuple[Any, list[Any]] = (([], 0), [None])  # an epoch of no runs at all
             head, refs = self._dispatch.collect() if self._dispatch else no_run
-            if isinstance(head, ExceptionWrapper):
+            if isinstance(head, RemoteError):
                 head.reraise()
             counts, size = head
             self._largest = max(self._largest, size)

@@ -217,8 +217,8 @@ class DeviceCopy(Producer):
     def deliver(self, item: Any) -> Any:
         return self._copier.ready(item)
 
-    def taken(self) -> None:
-        self._source.taken()
+    def taken(self, waited: float) -> None:
+        self._source.taken(waited)
 
     def summary(self) -> str | None:
         return self._source.summary()

@@ -199,6 +199,9 @@ class Dispatcher:
         self._retries = retries
         self._pending: deque[_Request] = deque()
         self._next_worker = 0
+        #: Send only to the first ``width`` workers (``None``: all); ``num_workers="auto"``
+        #: widens it as new workers answer, or narrows it back (their requests still come).
+        self.width: int | None = None
 
     def __len__(self) -> int:
         """Requests sent and not yet collected."""
@@ -209,8 +212,9 @@ class Dispatcher:
         actors = self._pool.actors
         if not actors:
             raise stopped_error()
-        worker_id = self._next_worker
-        self._next_worker = (worker_id + 1) % len(actors)
+        width = len(actors) if self.width is None else max(1, min(self.width, len(actors)))
+        worker_id = self._next_worker % width
+        self._next_worker = (worker_id + 1) % width
         actor = actors[worker_id]
         self._pending.append(
             _Request(self._calls.submit(actor, self._method, arg), arg, worker_id, actor)

@@ -41,8 +41,12 @@ class Producer:
 
     handoff: Handoff
 
-    def taken(self) -> None:
-        """Called on the trainer's thread after each batch it took (map-style: draw the next)."""
+    def taken(self, waited: float) -> None:
+        """Called on the trainer's thread after each batch it took, ``waited`` s after asking.
+
+        Map-style: draw the next indices (and, with ``num_workers="auto"``, pass the
+        wait on to the fetch thread's rule).
+        """
 
     def deliver(self, item: Any) -> Any:
         """The batch for an item taken from :attr:`handoff` (on the trainer's thread)."""
@@ -123,7 +127,7 @@ class EpochIterator(Iterator[Any]):
         started = time.perf_counter()
         try:
             batch = self._producer.deliver(self._handoff.take(self._timeout))
-            self._producer.taken()
+            self._producer.taken(time.perf_counter() - started)
         except StopIteration:
             self._end()
             raise

@@ -125,6 +125,6 @@ class InProcessProducer(Producer):
         except Exception as err:
             return ItemError(err)
 
-    def taken(self) -> None:
+    def taken(self, waited: float) -> None:
         if self._watch is not None:
             self._watch.count()

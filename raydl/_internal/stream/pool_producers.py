@@ -21,10 +21,12 @@ tensors are made over the object store's memory, without a copy.
 from __future__ import annotations
 
 import queue
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from raydl._internal.stream.autotune import AutoTuner
 from raydl._internal.stream.batching import skip_consumed
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, RayCalls, get_sliced
 from raydl._internal.stream.epoch_iterator import Producer
@@ -91,6 +93,15 @@ class _PoolProducer(Producer):
             self._on_close()
 
 
+class _Taken:
+    """The trainer's message that it took a batch after waiting ``waited`` s, at ``at``."""
+
+    __slots__ = ("at", "waited")
+
+    def __init__(self, waited: float, at: float) -> None:
+        self.waited, self.at = waited, at
+
+
 class MapStyleProducer(_PoolProducer):
     """A map-style epoch: the trainer draws index batches, a fetch thread loads them.
 
@@ -101,6 +112,15 @@ class MapStyleProducer(_PoolProducer):
     (or as they finish, ``in_order=False``). A worker that dies is replaced and
     its requests re-sent (see :class:`~raydl._internal.stream.dispatch.Dispatcher`).
     A batch whose loading raised is handed over as an ``ItemError`` in its place.
+
+    With a ``tuner`` (``num_workers="auto"`` / ``prefetch_factor="auto"``, see
+    :mod:`~raydl._internal.stream.autotune`) the trainer draws ``tuner.max_depth``
+    ahead and tells the fetch thread each wait (a :class:`_Taken` on the same
+    queue as the requests). The fetch thread owns the rule: it feeds it the waits,
+    sends a request only while fewer than ``tuner.depth`` are requested and not
+    taken, starts the workers the rule asks for (``pool.add()``) and sends to a
+    new one only once it answers ``ready``. Which worker loads a batch changes;
+    which indices make the batch, and its place in the epoch, do not.
     """
 
     def __init__(
@@ -112,6 +132,8 @@ class MapStyleProducer(_PoolProducer):
         in_order: bool,
         on_close: Callable[[], None] | None = None,
         calls: Calls | None = None,
+        tuner: AutoTuner | None = None,
+        epoch: int = 0,
     ) -> None:
         super().__init__(on_close)
         self.handoff = Handoff()  # bounded by the requests the trainer makes
@@ -120,20 +142,36 @@ class MapStyleProducer(_PoolProducer):
         self._sampler_done = False
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._requests_ended = False
+        self._pool = pool
+        self._calls = calls or RayCalls()
         self._dispatch = Dispatcher(
             pool,
-            calls or RayCalls(),
+            self._calls,
             method="fetch",
             describe=describe_indices,
             between=self._between,
         )
+        self._tuner = tuner
+        self._held: deque[Any] = deque()  # requests not sent yet (the tuner's depth)
+        self._sent = self._taken = 0
+        self._extra = 0  # requests a device copy stage holds, on top of the tuner's depth
+        self._starting: deque[tuple[int, Any]] = deque()  # (worker id, its `ready` reply)
+        self._asked = 0
+        if tuner is not None:
+            tuner.start_epoch(epoch)
+            self._dispatch.width = tuner.workers
+            self._asked = tuner.workers  # the next worker to ask `ready` of, once wanted
+            self._extra = max(0, lookahead - tuner.depth)
+            lookahead = tuner.max_depth + self._extra
         for _ in range(max(1, lookahead)):
             self._request()
         self.handoff.start(
             self._loop, name="raydl-map-style-fetcher", describe_error=in_torch_words
         )
 
-    def taken(self) -> None:
+    def taken(self, waited: float) -> None:
+        if self._tuner is not None:
+            self._requests.put(_Taken(waited, time.perf_counter()))
         self._request()  # torch draws the next indices once a batch has arrived
 
     def _request(self) -> None:
@@ -154,7 +192,7 @@ class MapStyleProducer(_PoolProducer):
         while True:
             self._take_requests(block=not self._dispatch)
             if not self._dispatch:
-                if self._requests_ended:
+                if self._requests_ended and not self._held:
                     return
                 continue
             self.handoff.put(batch_item(self._dispatch.collect(in_order=self._in_order)))
@@ -165,21 +203,64 @@ class MapStyleProducer(_PoolProducer):
 
     def _take_requests(self, *, block: bool) -> None:
         """Send every request waiting on the queue to a worker (waiting for one if ``block``)."""
-        while not self._requests_ended:
+        while True:
             self._check_stop()  # closing: start no more tasks
+            self._tune()
+            if self._requests_ended and not self._held:
+                block = False  # only the trainer's waits can still come: nothing to wait for
             try:
-                indices = (
+                message = (
                     self._requests.get(timeout=SLICE_S) if block else self._requests.get_nowait()
                 )
             except queue.Empty:
-                if block:
+                if block and not self._requests_ended:
                     continue  # the loop's head looks at stop
                 return
-            if indices is END_OF_REQUESTS:
+            if isinstance(message, _Taken):
+                self._taken += 1
+                assert self._tuner is not None
+                self._tuner.observe(waited=message.waited, at=message.at)
+                self._send_held()
+            elif message is END_OF_REQUESTS:
                 self._requests_ended = True
-                return
-            self._dispatch.send(indices)
+            else:
+                self._held.append(message)
+                self._send_held()
             block = False
+
+    def _send_held(self) -> None:
+        depth = self._tuner.depth + self._extra if self._tuner is not None else None
+        while self._held and (depth is None or self._sent - self._taken < depth):
+            self._dispatch.send(self._held.popleft())
+            self._sent += 1
+
+    # -- num_workers="auto" -----------------------------------------------------------
+
+    def _tune(self) -> None:
+        """Start the workers the rule asks for; admit each one that answers, in id order."""
+        tuner = self._tuner
+        if tuner is None:
+            return
+        pool = self._pool
+        while len(pool.actors) < tuner.started:
+            pool.add()  # type: ignore[attr-defined]  # a WorkerPool
+        while self._asked < min(tuner.want, len(pool.actors)):
+            actor = pool.actors[self._asked]
+            self._starting.append((self._asked, self._calls.submit(actor, "ready")))
+            self._asked += 1
+        while self._starting:
+            worker_id, ref = self._starting[0]
+            if worker_id >= tuner.want:  # the rule went back meanwhile
+                self._starting.clear()
+                self._asked = tuner.want
+                break
+            if not self._calls.wait([ref], 0):
+                break
+            self._starting.popleft()
+            tuner.admitted(worker_id + 1, at=time.perf_counter())
+        if self._dispatch.width != tuner.workers:
+            self._dispatch.width = tuner.workers
+        self._send_held()
 
 
 class IterableProducer(_PoolProducer):
@@ -220,7 +301,7 @@ class IterableProducer(_PoolProducer):
             self._get(ref, worker_id, what=_start)
         self.handoff.start(self._loop, name="raydl-iterable-fetcher", describe_error=in_torch_words)
 
-    def taken(self) -> None:
+    def taken(self, waited: float) -> None:
         if self._watch is not None:
             self._watch.count()
 

@@ -40,8 +40,6 @@ from raydl._internal.workers.worker import DatasetWorker, WorkerSpec
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
-    from raydl._internal.epochs.direct import RunLoader
-
 #: How often one batch is retried on a fresh worker after the worker loading it died.
 MAX_TASK_RETRIES = 2
 
@@ -59,18 +57,22 @@ class WorkerPool:
 
     def __init__(
         self,
-        dataset: Dataset[Any] | RunLoader,
+        dataset: Dataset[Any] | object,
         spec: WorkerSpec,
         *,
         restartable: bool,
         options: Mapping[str, Any] | None = None,
         ahead: bool = False,
+        start: int | None = None,
     ) -> None:
-        """Start ``spec.num_workers`` actors over ``dataset`` (a torch one, or the direct path's).
+        """Start ``spec.num_workers`` actors over ``dataset`` (``start`` of them, when given):
+        a torch dataset, or the direct path's ``RunLoader`` (no torch needed in the actors).
 
         ``ahead``: started before their first epoch (the loader's background
         start); they import and unpickle now and become workers of the epoch's
-        spec at :meth:`reset`, which must come before any fetch.
+        spec at :meth:`reset`, which must come before any fetch. ``start``: fewer
+        actors for now (``num_workers="auto"``: ``spec.num_workers`` is the budget,
+        what ``get_worker_info().num_workers`` says; :meth:`add` starts the others).
         """
         import ray
 
@@ -85,12 +87,29 @@ class WorkerPool:
         self.spec = _without_functions(spec)
         self.restartable = restartable
         self._restarting = threading.Lock()
-        self.actors = [
-            self._start(i, None if ahead else self.spec) for i in range(spec.num_workers)
-        ]
+        count = spec.num_workers if start is None else min(start, spec.num_workers)
+        self.actors = [self._start(i, None if ahead else self.spec) for i in range(count)]
 
     def _start(self, worker_id: int, spec: WorkerSpec | None) -> Any:
         return self._actor_cls.remote([self._dataset_ref], worker_id, spec)
+
+    def add(self) -> Any:
+        """Start one more worker (the next id, the pool's spec now); its actor.
+
+        Called by the fetch thread of the epoch that uses the pool
+        (``num_workers="auto"``); the actor counts for requests only once it
+        answers ``ready`` (the fetch thread checks).
+        """
+        with self._restarting:
+            if not self.actors:
+                raise stopped_error()
+            if len(self.actors) >= self.spec.num_workers:
+                raise ValueError(
+                    f"this pool already has its {self.spec.num_workers} workers (its budget)"
+                )
+            actor = self._start(len(self.actors), self.spec)
+            self.actors.append(actor)
+            return actor
 
     def reset(self, spec: WorkerSpec) -> None:
         """Turn every worker into a fresh one for ``spec`` (see ``DatasetWorker.reset``).
@@ -132,15 +151,15 @@ class WorkerPool:
 
     def kill(self) -> None:
         """Stop every actor now (pending tasks fail; results already fetched stay valid)."""
+        with self._restarting:  # not while a fetch thread adds or restarts one
+            actors, self.actors = self.actors, []
         if not is_connected():  # Ray already shut down (e.g. at exit): the actors died with it
-            self.actors = []
             return
         import ray
 
-        for actor in self.actors:
+        for actor in actors:
             with contextlib.suppress(Exception):  # already dead, or Ray already shut down
                 ray.kill(actor, no_restart=True)
-        self.actors = []
 
 
 def _without_functions(spec: WorkerSpec) -> WorkerSpec:
