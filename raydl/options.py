@@ -94,10 +94,16 @@ class LoaderOptions:
             object.__setattr__(self, "background_start", env.background_start_default())
         budget = self.cpu_budget
         if budget is not None and (
-            not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0
+            not isinstance(budget, (int, float)) or isinstance(budget, bool)
         ):
+            raise TypeError(
+                f"cpu_budget option should be a number of CPUs or None, got {budget!r}; "
+                "pass e.g. cpu_budget=4 with num_workers='auto'"
+            )
+        if budget is not None and not budget > 0:
             raise ValueError(
-                f"cpu_budget option should be a positive number of CPUs or None, got {budget!r}"
+                f"cpu_budget option should be a positive number of CPUs or None, got {budget!r}; "
+                "pass e.g. cpu_budget=4, or None for the default"
             )
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)

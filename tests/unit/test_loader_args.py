@@ -391,6 +391,11 @@ def test_bad_auto_values_name_the_option(kwargs: dict[str, Any], match: str) -> 
         RayDataLoader(MAP, **kwargs)
 
 
+def test_a_cpu_budget_of_the_wrong_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=re.escape("cpu_budget option should be a number of CPUs")):
+        RayDataLoader(MAP, num_workers="auto", cpu_budget="4")
+
+
 @pytest.mark.parametrize("option", ["num_workers", "prefetch_factor"])
 def test_auto_is_refused_for_an_iterable_dataset(option: str) -> None:
     kwargs: dict[str, Any] = {"num_workers": 2, option: "auto"}

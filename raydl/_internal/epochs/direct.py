@@ -350,6 +350,9 @@ class RunLoader:
     kept for the next requests, so a request carries only its task.
     """
 
+    #: Read by the actors: this work imports no torch, so they set up none (``worker.py``).
+    needs_torch = False
+
     def __init__(self) -> None:
         self._works: dict[Any, EpochWork] = {}
 

@@ -165,6 +165,7 @@ class RankEpochs:
                 stale, self._dealing = self._dealing, None
                 if stale is not None:
                     stale.close()
+                self._mode = mode  # before the deal starts: its dealer may ask for the next epoch
                 if mode == "deal":  # started before the broadcast, which names its generation
                     skip = resume.batches_consumed if resume is not None else 0
                     self._dealing = self._dealt_epoch(epoch, skip, None)

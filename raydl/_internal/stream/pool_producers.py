@@ -244,8 +244,9 @@ class MapStyleProducer(_PoolProducer):
         pool = self._pool
         while len(pool.actors) < tuner.started:
             pool.add()  # type: ignore[attr-defined]  # a WorkerPool
-        while self._asked < min(tuner.want, len(pool.actors)):
-            actor = pool.actors[self._asked]
+        actors = pool.actors  # once: kill() may swap the list meanwhile
+        while self._asked < min(tuner.want, len(actors)):
+            actor = actors[self._asked]
             self._starting.append((self._asked, self._calls.submit(actor, "ready")))
             self._asked += 1
         while self._starting:

@@ -24,11 +24,12 @@ call with it (raised in ``__init__``, it would be a death, retried and reported
 as one); a module the worker cannot import is named, with the fix
 (:class:`ImportFailure`).
 
-Torch is imported only when the payload needs it. A torch dataset imports it
-while unpickling, and then the worker seeds it, sets ``get_worker_info()`` and
-converts tensors as above; raydl's direct-path actors run pyarrow and numpy work
-(``epochs/direct.py``), and sparing them torch saves about 130 MB of private
-memory each. Nothing of torch's state exists to set in a process without it.
+Torch is imported only when the payload needs it. Any dataset gets a torch
+worker's full set-up (torch seeded, ``get_worker_info()``, DataPipe sharding,
+tensors converted); raydl's own direct-path work (``epochs/direct.py``'s
+``RunLoader``, marked ``needs_torch = False``) runs pyarrow and numpy only, and
+sparing those actors torch saves about 130 MB of private memory each. They seed
+numpy exactly as torch would.
 """
 
 from __future__ import annotations
@@ -268,11 +269,12 @@ class DatasetWorker:
         self._collate_fn: Callable[[Any], Any] | None = collate_fn
         seed = spec.base_seed + worker_id
         random.seed(seed)
-        uses_torch = "torch" in sys.modules  # the payload imported it (a torch dataset)
+        # Everything but raydl's own torch-free work gets a torch worker's full set-up.
+        uses_torch = getattr(dataset, "needs_torch", True) is not False
         if uses_torch:
             _seed_torch(spec, worker_id, dataset)
         else:
-            np.random.seed(np.random.SeedSequence([spec.base_seed, worker_id]).generate_state(4))
+            np.random.seed(_numpy_seed(spec.base_seed, worker_id))
         try:
             if uses_torch:
                 _shard_datapipe(dataset, spec, worker_id)
@@ -372,6 +374,12 @@ def _seed_torch(spec: WorkerSpec, worker_id: int, dataset: Any) -> None:
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
     )
+
+
+def _numpy_seed(base_seed: int, worker_id: int) -> np.ndarray:
+    """numpy's seed for worker ``worker_id``: torch's ``_generate_state``, without torch."""
+    entropy = [worker_id, base_seed & 0xFFFFFFFF, base_seed >> 32, 0]
+    return np.random.SeedSequence(entropy).generate_state(4)
 
 
 def _shard_datapipe(dataset: Any, spec: WorkerSpec, worker_id: int) -> None:
