@@ -290,12 +290,7 @@ class DealingProducer(DealtProducer):
         sent_all = False
         while True:
             window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
-            while not sent_all and len(self._dispatch) < window:
-                run = next(runs, None)
-                if run is None:
-                    sent_all = True
-                else:
-                    self._dispatch.send(run)
+            sent_all = sent_all or self._dispatch.top_up(runs, window)
             start = self._dealer_start_next
             if sent_all and start is not None and not self._deals.stopped and start():
                 self._dealer_start_next = None

@@ -23,7 +23,7 @@ lost or duplicated.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from raydl._internal.workers.pool import MAX_TASK_RETRIES, stopped_error
@@ -206,6 +206,15 @@ class Dispatcher:
     def __len__(self) -> int:
         """Requests sent and not yet collected."""
         return len(self._pending)
+
+    def top_up(self, requests: Iterator[Any], window: int) -> bool:
+        """Send from ``requests`` until ``window`` are in flight; ``True`` once it is exhausted."""
+        while len(self) < window:
+            request = next(requests, None)
+            if request is None:
+                return True
+            self.send(request)
+        return False
 
     def send(self, arg: Any) -> None:
         """Send one request to the next worker, round-robin."""

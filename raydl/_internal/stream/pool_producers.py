@@ -417,12 +417,7 @@ class DirectProducer(_PoolProducer):
         sent_all = False
         window = self._window
         while True:
-            while not sent_all and len(self._dispatch) < window:
-                run = next(runs, None)
-                if run is None:
-                    sent_all = True
-                else:
-                    self._dispatch.send(run)
+            sent_all = sent_all or self._dispatch.top_up(runs, window)
             start = self._start_next
             if sent_all and start is not None and not self.handoff.stopped and start():
                 self._start_next = None
