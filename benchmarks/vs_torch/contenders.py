@@ -455,6 +455,7 @@ class RayDLAuto(Contender):
     name = "raydl_auto"
     colour = "tab:olive"
     uses_ray = True
+    raydl_starts_ray = True
     workloads = SWEPT_WORKLOADS
 
     def images(self, data: ImageData) -> Loader:
