@@ -34,7 +34,7 @@ BACKGROUND_START = "RAYDL_BACKGROUND_START"
 
 def background_start_default() -> bool:
     """The ``background_start`` option when the loader is not given one: on unless ``RAYDL_BACKGROUND_START=0``."""
-    return os.environ.get(BACKGROUND_START, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return _on_unless_off(BACKGROUND_START)
 
 
 #: ``0`` starts the embedded Ray with its autoscaler monitor and dashboard head (off by default).
@@ -43,7 +43,12 @@ LEAN_RAY = "RAYDL_LEAN_RAY"
 
 def lean_ray() -> bool:
     """Whether the embedded Ray instance skips the processes a loader does not use (``RAYDL_LEAN_RAY``)."""
-    return os.environ.get(LEAN_RAY, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return _on_unless_off(LEAN_RAY)
+
+
+def _on_unless_off(name: str) -> bool:
+    """A switch that is on unless the variable ``name`` says ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get(name, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
 #: CPUs ``num_workers="auto"`` may use for its actors (the ``cpu_budget`` option's default).
