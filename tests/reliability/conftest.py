@@ -10,6 +10,7 @@ memory and driver-kill tests start their own.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -42,7 +43,7 @@ def ray_cluster() -> Iterator[None]:
     """
     with private_ray(num_cpus=2):
         yield
-    assert wait_until(lambda: not _watchers(), timeout=10), _watchers()
+    assert wait_until(lambda: not _watchers(), timeout=10), (_watchers(), _ray_processes())
 
 
 def _watchers() -> list[int]:
@@ -54,6 +55,17 @@ def _watchers() -> list[int]:
                 arg.endswith("reaper.py") for arg in child.cmdline()
             ):
                 found.append(child.pid)
+    return found
+
+
+def _ray_processes() -> list[str]:
+    """Every live process that runs a program of Ray's package: what a watcher may still follow."""
+    ray_dir = os.path.dirname(importlib.util.find_spec("ray").origin or "")
+    found = []
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if ray_dir in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(f"{proc.info['pid']} (parent {proc.info['ppid']}): {cmdline[:200]}")
     return found
 
 

@@ -28,6 +28,10 @@ import time
 #: Seconds between two looks at the process table.
 POLL_S = 0.5
 
+#: Seconds the instance's other processes get to exit after its GCS and raylet did
+#: (``ray.shutdown()``) before they are SIGKILLed.
+LEFTOVER_GRACE_S = 5.0
+
 #: A process: (pid, start time in clock ticks since boot); the pair survives pid reuse.
 Proc = tuple[int, int]
 
@@ -105,21 +109,24 @@ def _alive_with_descendants(procs: set[Proc]) -> set[Proc]:
     return found
 
 
-def start(driver: int, ray_dir: str, exclude: set[Proc]) -> None:
+def start(driver: int, ray_dir: str, exclude: set[Proc]) -> subprocess.Popen[bytes] | None:
     """Watch, from a separate process, the Ray processes ``driver`` starts from now on.
 
     Started before ``ray.init``: a Ctrl-C or a kill in the middle of Ray's own start
     leaves nothing behind either. ``exclude``: Ray children the driver already has
     (another instance's), which are not this watcher's. ``ray_dir``: Ray's
     package folder (this watcher does not import Ray).
+
+    Returns:
+        The watcher's process, ``None`` where none started (not Linux, no driver).
     """
     if not sys.platform.startswith("linux"):
-        return
+        return None
     driver_start = _stat(driver)
     if driver_start is None:
-        return
+        return None
     args = [f"{pid}:{start}" for pid, start in sorted(exclude)]
-    subprocess.Popen(
+    return subprocess.Popen(
         [
             sys.executable,
             "-I",
@@ -148,26 +155,40 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
     A process stays followed while it lives, also after its parent died (the
     raylet's agents outlive it). Returns when the driver is gone, or once the
     instance it started is over: its GCS or raylet was followed and nothing
-    followed is left (``ray.shutdown()``).
+    followed is left (``ray.shutdown()``). What is still running
+    ``LEFTOVER_GRACE_S`` after the GCS and raylet are gone is SIGKILLed too.
     """
     tracked: set[Proc] = set()
-    followed_core = False
+    core: set[Proc] = set()
+    over_at: float | None = None  # when the GCS and raylet were found gone
     while True:
         stat = _stat(driver[0])
         driver_alive = stat is not None and stat[1] == driver[1]
-        if driver_alive:
-            new = ray_children(driver[0], ray_dir) - exclude - tracked
-            followed_core = followed_core or any(_is_core(pid) for pid, _ in new)
-            tracked |= new
         tracked = _alive_with_descendants(tracked)
-        if not tracked and (followed_core or not driver_alive):
+        if core and not core & tracked:
+            # The instance is over (ray.shutdown()). From now on the driver's new Ray
+            # children are another instance's, not this watcher's.
+            over_at = over_at or time.monotonic()
+        if driver_alive and over_at is None:
+            new = ray_children(driver[0], ray_dir) - exclude - tracked
+            core |= {proc for proc in new if _is_core(proc[0])}
+            tracked |= new
+        if not tracked and (core or not driver_alive):
             return  # ray.shutdown(), or a driver that never started Ray
-        if not driver_alive:
-            for pid, _ in tracked:
-                with contextlib.suppress(OSError):  # it exited meanwhile
-                    os.kill(pid, signal.SIGKILL)
+        if not driver_alive or (
+            # Some of the instance's processes outlive it (a worker stuck on its way
+            # out) beside a driver that goes on.
+            over_at is not None and time.monotonic() - over_at > LEFTOVER_GRACE_S
+        ):
+            _kill(tracked)
             return
         time.sleep(POLL_S)
+
+
+def _kill(procs: set[Proc]) -> None:
+    for pid, _ in procs:
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
