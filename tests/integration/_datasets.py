@@ -188,3 +188,27 @@ class SlowWorkerData(TensorData):
             "worker": -1 if info is None else info.id,
             "num_workers": -1 if info is None else info.num_workers,
         }
+
+
+class PageFaults(Dataset[int]):
+    """Sample ``i``: the minor page faults of 20 rounds of eight 600 KB arrays, in the worker.
+
+    A decoded 224x224 float image and its temporaries are that size; raydl's actors
+    keep freed memory for the next round (``workers/allocator.py``).
+    """
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        import resource
+
+        def one_round() -> None:
+            arrays = [np.ones(600 << 10, dtype=np.uint8) for _ in range(8)]
+            del arrays
+
+        one_round()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(20):
+            one_round()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before

@@ -119,8 +119,15 @@ def _copying_shuffle_rebatch(
 
 
 @pytest.mark.timeout(60)
-def test_shuffle_rebatch_gives_the_batches_of_the_copying_buffer_it_replaced() -> None:
+@pytest.mark.parametrize("row_by_row", [False, True])
+def test_shuffle_rebatch_gives_the_batches_of_the_copying_buffer_it_replaced(
+    row_by_row: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The pool holds indices, not gathered copies; states saved before must resume the same.
+    # Large rows are gathered one by one (row_by_row: every column here is taken that way).
+    from raydl._internal.stream import batching
+
+    monkeypatch.setattr(batching._Pool, "ROW_BY_ROW_BYTES", 0 if row_by_row else 1 << 62)
     rng = np.random.default_rng(0)
     for _ in range(200):
         blocks, start = [], 0

@@ -46,6 +46,15 @@ def lean_ray() -> bool:
     return _on_unless_off(LEAN_RAY)
 
 
+#: ``0`` leaves glibc's ``malloc`` thresholds as they are in raydl's actors (``workers/allocator.py``).
+KEEP_FREED_MEMORY = "RAYDL_KEEP_FREED_MEMORY"
+
+
+def keep_freed_memory() -> bool:
+    """Whether raydl's actors keep freed memory for their next batch (``RAYDL_KEEP_FREED_MEMORY``)."""
+    return _on_unless_off(KEEP_FREED_MEMORY)
+
+
 def _on_unless_off(name: str) -> bool:
     """A switch that is on unless the variable ``name`` says ``0``, ``false``, ``no`` or ``off``."""
     return os.environ.get(name, "1").strip().lower() not in {"0", "false", "no", "off"}

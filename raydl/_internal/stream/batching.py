@@ -16,6 +16,7 @@ batcher gives.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -109,15 +110,24 @@ class _Pool:
         if len(which) and (which == first).all():
             block, offset = self._blocks[first], int(self._starts[first])
             return {name: column[rows - offset] for name, column in block.items()}
+        local = rows - self._starts[which]
         out: Batch = {}
         for name, sample in self._blocks[first].items():
             column = np.empty((len(rows), *sample.shape[1:]), dtype=sample.dtype)
-            for index in np.unique(which):
-                mask = which == index
-                block, offset = self._blocks[index], int(self._starts[index])
-                column[mask] = block[name][rows[mask] - offset]
+            if sample.itemsize * math.prod(sample.shape[1:]) >= self.ROW_BY_ROW_BYTES:
+                # Large rows (images): each copied once, straight into its place.
+                for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
+                    column[i] = self._blocks[index][name][row]
+            else:
+                for index in np.unique(which):
+                    mask = which == index
+                    column[mask] = self._blocks[index][name][local[mask]]
             out[name] = column
         return out
+
+    #: Rows at least this large are gathered one by one: a per-block fancy index
+    #: would copy them twice (into a temporary, then into the batch).
+    ROW_BY_ROW_BYTES = 16 << 10
 
     #: The held rows may keep at most this many times their number of block rows alive;
     #: beyond, they are gathered into one block (a row lingers for many rounds, and one

@@ -49,6 +49,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from raydl._internal.workers import allocator
 from raydl._internal.workers.failure import RemoteError
 
 #: Returned by an iterable worker whose dataset is exhausted.
@@ -227,6 +228,7 @@ class DatasetWorker:
         only at its first :meth:`reset`, so ``worker_init_fn`` runs once per epoch.
         """
         _record_faults()
+        allocator.keep_freed_memory()
         self._payload_ref = payload_ref
         self._id = worker_id
         self._unpickled: tuple[Any, ...] | Exception | None = None
