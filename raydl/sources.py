@@ -324,7 +324,7 @@ def read_images(
     """
     import ray.data
 
-    from raydl._internal.io import skips
+    from raydl._internal.io import skipping, skips
     from raydl._internal.ray_compat import reads
 
     policy = skips.validate_policy(on_bad_file)
@@ -351,7 +351,7 @@ def read_images(
         )
     ray_options.setdefault("file_extensions", reads.IMAGE_EXTENSIONS)
     return _read_skipping(
-        skips.SkippingImageDatasource,
+        skipping.SkippingImageDatasource,
         stripped,
         fs,
         open_args_option="arrow_open_file_args",
@@ -409,7 +409,7 @@ def read_binary_files(
     """
     import ray.data
 
-    from raydl._internal.io import skips
+    from raydl._internal.io import skipping, skips
     from raydl._internal.io.files import READ_DATASOURCE_OPTIONS, FileListDatasource
 
     policy = skips.validate_policy(on_bad_file)
@@ -443,7 +443,7 @@ def read_binary_files(
     from ray.data.datasource.file_meta_provider import DefaultFileMetadataProvider
 
     return _read_skipping(
-        skips.SkippingBinaryDatasource,
+        skipping.SkippingBinaryDatasource,
         stripped,
         fs,
         open_args_option="arrow_open_stream_args",

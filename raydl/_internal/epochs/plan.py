@@ -70,6 +70,7 @@ def plan_epoch(
     # A stage's exception reaches the trainer with its own type, as torch's workers' do.
     ds.context.raise_original_map_exception = True
     ds.context.enable_progress_bars = False
+    ds.context.print_on_execution_start = False
     ds = bound_retries(ds, STAGE_RETRIES)
     ds = fuse_reads(ds)
     buffer = None

@@ -73,6 +73,7 @@ class RaySource(RankEpochs):
     """The epochs of a ``ray.data.Dataset`` or :class:`~raydl.PerEpoch` plan."""
 
     def __init__(self, dataset: Any, settings: RaySettings, world: World) -> None:
+        cluster.quiet_ray_data()
         self._dataset = dataset
         self._settings = settings
         self._world = world

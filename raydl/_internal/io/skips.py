@@ -25,7 +25,8 @@ How each reader skips, without re-implementing Ray Data's readers:
   ``ImageDatasource`` / ``BinaryDatasource`` whose per-file read decodes the
   whole file before yielding anything
   (:class:`raydl._internal.ray_compat.reads.WholeFileGuard`), so a failure
-  leaves out exactly that file;
+  leaves out exactly that file (:mod:`raydl._internal.io.skipping`, apart so
+  that this module imports no Ray Data: the loader reads the ledger);
 * parquet: every file's footer is read once, in parallel threads, when the plan
   is built (:func:`raydl._internal.io.parquet.read_footers`), and the bad files
   are left out of the file list the reader gets. A file whose footer is valid
@@ -40,7 +41,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from raydl._internal.ray_compat import reads
 from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BadFilePolicy",
-    "SkippingBinaryDatasource",
-    "SkippingImageDatasource",
     "ledger",
     "never_skipped",
     "record_skip",
@@ -181,21 +179,3 @@ def skippable(err: BaseException, retried_patterns: Sequence[str]) -> bool:
     if never_skipped(err):
         return False
     return not _is_retried_by_ray(err, retried_patterns)
-
-
-class _SkipBadFiles(reads.WholeFileGuard):
-    """A Ray ``FileBasedDatasource`` subclass's per-file policy: skip what :func:`skippable` allows."""
-
-    def _may_leave_out(self, err: BaseException, retried_patterns: Sequence[str]) -> bool:
-        return skippable(err, retried_patterns)
-
-    def _left_out(self, path: str, err: BaseException) -> None:
-        record_skip(path, err)
-
-
-class SkippingImageDatasource(_SkipBadFiles, reads.ImageDatasource):
-    """Ray Data's ``ImageDatasource`` that skips images it cannot read or decode."""
-
-
-class SkippingBinaryDatasource(_SkipBadFiles, reads.BinaryDatasource):
-    """Ray Data's ``BinaryDatasource`` that skips files it cannot read."""

@@ -159,7 +159,8 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
                 )
             )
             _started_by_raydl = True
-        _quiet_ray_data()
+        if "ray.data" in sys.modules:  # else a Ray Data source quiets it (epochs/ray_source.py)
+            quiet_ray_data()
 
 
 def _lean_init(**kwargs: Any) -> Any:
@@ -239,8 +240,13 @@ def _worker_env() -> dict[str, Any] | None:
     return {"env_vars": dict.fromkeys(present, "")} if present else None
 
 
-def _quiet_ray_data() -> None:
-    """Keep Ray Data's progress bars and per-execution banners off the user's terminal."""
+def quiet_ray_data() -> None:
+    """Keep Ray Data's progress bars and per-execution banners off the user's terminal.
+
+    Imports Ray Data (about 57 MB and half a second), so the start of Ray does not
+    call it unless something already did: a loader of a torch ``Dataset`` never
+    needs Ray Data.
+    """
     from ray.data import DataContext
 
     from raydl._internal.ray_compat import cluster as ray_core
