@@ -212,3 +212,11 @@ class PageFaults(Dataset[int]):
         for _ in range(20):
             one_round()
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def collate_and_report_shared(samples: list[Any]) -> dict[str, torch.Tensor]:
+    """torch's ``default_collate``, and whether the batch it built lives in shared memory."""
+    from torch.utils.data import default_collate
+
+    out = default_collate(samples)
+    return {"x": out, "shared": torch.tensor(out.is_shared())}

@@ -20,7 +20,7 @@ import raydl
 from raydl import RayDataLoader
 
 import _torch_free  # isort: skip
-from _datasets import PageFaults  # isort: skip
+from _datasets import PageFaults, TensorData, collate_and_report_shared  # isort: skip
 
 FILES = 40
 
@@ -87,3 +87,19 @@ def test_actors_keep_freed_memory_unless_told_not_to() -> None:
         loader.close()
     assert all(f < 1_200 for f in faults["kept"]), faults
     assert all(f > 10 * 1_200 for f in faults["default"]), faults
+
+
+@pytest.mark.timeout(120)
+def test_default_collate_stacks_into_plain_memory_in_the_actors() -> None:
+    """torch's workers collate into shared memory (their queue's transport); raydl's do not."""
+    from torch.utils.data import DataLoader
+
+    args = {"batch_size": 4, "num_workers": 1, "collate_fn": collate_and_report_shared}
+    torch_batches = list(DataLoader(TensorData(8), **args))
+    assert [bool(b["shared"]) for b in torch_batches] == [True, True]
+    loader = RayDataLoader(TensorData(8), **args)
+    batches = list(loader)
+    loader.close()
+    assert [bool(b["shared"]) for b in batches] == [False, False]
+    for ours, theirs in zip(batches, torch_batches, strict=True):
+        assert torch.equal(ours["x"], theirs["x"])

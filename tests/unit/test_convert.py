@@ -303,3 +303,34 @@ def test_numpy_batch_empty_object_column_stays_numpy() -> None:
     column = np.empty(0, dtype=object)
     out = numpy_batch_to_tensors({"x": column})
     assert out["x"] is column
+
+
+def test_an_owned_reply_copies_its_small_arrays_so_they_keep_no_images_alive() -> None:
+    # A trainer keeping each batch's ids must not keep each batch's images in the store.
+    wrapped = tensors_to_numpy({"image": torch.zeros(64, 3, 32, 32), "id": torch.arange(64)})
+    for leaf in wrapped.values():
+        leaf.array.setflags(write=False)  # as ray.get hands them back
+    batch = numpy_to_tensors(wrapped, owned=True)
+    assert batch["image"].data_ptr() == wrapped["image"].array.ctypes.data  # viewed
+    assert batch["id"].data_ptr() != wrapped["id"].array.ctypes.data  # copied
+    assert batch["id"].tolist() == list(range(64))
+    # Arrays of like sizes are all viewed (a tabular batch's columns).
+    alike = tensors_to_numpy((torch.zeros(64, 4), torch.arange(64)))
+    for leaf in alike:
+        leaf.array.setflags(write=False)  # as ray.get hands them back
+    back = numpy_to_tensors(alike, owned=True)
+    assert [t.data_ptr() for t in back] == [leaf.array.ctypes.data for leaf in alike]
+
+
+def test_owned_blocks_copy_their_small_columns() -> None:
+    block = {
+        "image": _frozen(64, 3, 32, 32),
+        "id": _frozen(64, dtype=np.int64),
+        "weight": _frozen(64, 8),  # 2 KB, 1/96 of the images
+    }
+    (owned,) = owned_blocks([block])
+    assert np.shares_memory(owned["image"], block["image"])
+    assert not np.shares_memory(owned["id"], block["id"])
+    assert not np.shares_memory(owned["weight"], block["weight"])
+    assert all(column.flags.writeable for column in owned.values())
+    assert owned["id"].tolist() == list(range(64)) == block["id"].tolist()

@@ -102,15 +102,42 @@ def numpy_to_tensors(obj: Any, *, owned: bool) -> Any:
     """Undo :func:`tensors_to_numpy`: every wrapped array becomes a writable tensor again.
 
     ``owned``: ``obj`` is this consumer's alone (a worker's reply to it), so the
-    tensors are made over the arrays' memory, read-only or not, without a copy;
+    tensors are made over the arrays' memory, read-only or not, without a copy,
+    except arrays :data:`DETACH_RATIO` times smaller than the reply's largest;
     otherwise read-only arrays are copied (see the module docstring).
     """
+    smallest_view = _largest_array(obj) // DETACH_RATIO if owned else 0
+    return _to_tensors(obj, owned, smallest_view)
+
+
+#: An owned array this many times smaller than the largest one of its batch (or block) is
+#: copied, not viewed: kept alone (the labels a trainer keeps for its epoch's metrics), a
+#: view would keep the whole object in the store (a batch of images, a run's blocks) for a
+#: few bytes of it. Copying it costs a few microseconds.
+DETACH_RATIO = 64
+
+
+def _to_tensors(obj: Any, owned: bool, smallest_view: int) -> Any:
     if isinstance(obj, _Wrapped):
-        tensor = array_to_tensor(obj.array, owned=owned)
+        tensor = array_to_tensor(obj.array, owned=owned, smallest_view=smallest_view)
         return tensor if obj.dtype is None else tensor.view(obj.dtype)
     if isinstance(obj, _Named):
-        return obj.rebuild(lambda value: numpy_to_tensors(value, owned=owned))
-    return _map_structure(obj, lambda value: numpy_to_tensors(value, owned=owned))
+        return obj.rebuild(lambda value: _to_tensors(value, owned, smallest_view))
+    return _map_structure(obj, lambda value: _to_tensors(value, owned, smallest_view))
+
+
+def _largest_array(obj: Any) -> int:
+    """Bytes of the largest array that stands for a tensor in ``obj``."""
+    if isinstance(obj, _Wrapped):
+        return int(obj.array.nbytes)
+    values: Any = ()
+    if isinstance(obj, _Named):
+        values = obj.values
+    elif isinstance(obj, Mapping):
+        values = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    return max((_largest_array(value) for value in values), default=0)
 
 
 class _Named:
@@ -172,14 +199,16 @@ def _find_namedtuple(module: str, name: str, fields: tuple[str, ...]) -> type | 
     return found
 
 
-def array_to_tensor(array: np.ndarray, *, owned: bool) -> torch.Tensor:
+def array_to_tensor(array: np.ndarray, *, owned: bool, smallest_view: int = 0) -> torch.Tensor:
     """A writable tensor with the array's data.
 
     A read-only array (the object store's) is copied unless ``owned`` (this
-    consumer's alone: the tensor is made over its memory, see :func:`writable_view`).
+    consumer's alone: the tensor is made over its memory, see :func:`writable_view`)
+    and at least ``smallest_view`` bytes (see :data:`DETACH_RATIO`).
     """
     if not array.flags.writeable:
-        array = writable_view(array) if owned else array.copy()
+        viewed = owned and array.nbytes >= smallest_view
+        array = writable_view(array) if viewed else array.copy()
     return torch.from_numpy(array)
 
 
@@ -223,16 +252,27 @@ def owned_blocks(blocks: Any) -> Any:
     For raydl's direct runs: the actors' blocks were made for this epoch's
     consumer alone, so their numeric columns become writable views
     (:func:`writable_view`) and :func:`numpy_batch_to_tensors` does not copy the
-    batches cut from them. Other blocks (Arrow tables, ...) are returned as they are.
+    batches cut from them; columns :data:`DETACH_RATIO` times smaller than the
+    block's largest are copied instead. Other blocks (Arrow tables, ...) are
+    returned as they are.
     """
     if isinstance(blocks, list):
         return [owned_blocks(block) for block in blocks]
     if isinstance(blocks, dict):
+        arrays = [c.nbytes for c in blocks.values() if isinstance(c, np.ndarray)]
+        smallest_view = max(arrays, default=0) // DETACH_RATIO
         return {
-            name: writable_view(column) if isinstance(column, np.ndarray) else column
+            name: _owned_column(column, smallest_view) if isinstance(column, np.ndarray) else column
             for name, column in blocks.items()
         }
     return blocks
+
+
+def _owned_column(column: np.ndarray, smallest_view: int) -> np.ndarray:
+    """A block's column, writable: a view of it, or a copy if small (:data:`DETACH_RATIO`)."""
+    if column.nbytes < smallest_view and not column.flags.writeable:
+        return column.copy()
+    return writable_view(column)
 
 
 def numpy_batch_to_tensors(

@@ -275,6 +275,7 @@ class DatasetWorker:
         uses_torch = getattr(dataset, "needs_torch", True) is not False
         if uses_torch:
             _seed_torch(spec, worker_id, dataset)
+            _collate_into_plain_memory()
         else:
             np.random.seed(_numpy_seed(spec.base_seed, worker_id))
         try:
@@ -376,6 +377,38 @@ def _seed_torch(spec: WorkerSpec, worker_id: int, dataset: Any) -> None:
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
     )
+
+
+def _collate_into_plain_memory() -> None:
+    """Make torch's default collate stack tensors into ordinary memory in this process.
+
+    In a torch worker process (``get_worker_info()`` set) ``default_collate`` stacks
+    a batch's tensors straight into new shared memory, for torch's worker queue. A
+    raydl actor's batch travels through Ray's object store instead, so that shared
+    memory would be created, faulted in page by page and freed for nothing
+    (measured: 17.4 ms against 1.5 ms to collate 32 224x224 float images). The
+    tensor entry of torch's ``default_collate_fn_map`` (the table ``collate``
+    documents as the way to extend it) is replaced, once per process, by the same
+    function without the shared memory; a ``collate_fn`` of the user's that calls
+    ``default_collate`` gets it too. What torch refuses (nested and sparse
+    tensors) still goes to torch's function, for its errors.
+    """
+    import torch
+    from torch.utils.data._utils import collate
+
+    table: dict[Any, Any] = getattr(collate, "default_collate_fn_map", {})
+    original = table.get(torch.Tensor)
+    if original is None or getattr(original, "raydl_plain_memory", False):
+        return
+
+    def collate_tensor(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+        elem = batch[0]
+        if elem.is_nested or elem.layout != torch.strided:
+            return original(batch, collate_fn_map=collate_fn_map)
+        return torch.stack(list(batch), 0)
+
+    collate_tensor.raydl_plain_memory = True  # type: ignore[attr-defined]
+    table[torch.Tensor] = collate_tensor
 
 
 def _numpy_seed(base_seed: int, worker_id: int) -> np.ndarray:
