@@ -32,7 +32,7 @@ FEW_RETRIES = {"RAY_NUM_REDIS_GET_RETRIES": "2"}
 
 
 def _clients(gcs: str, *extra_envs: dict[str, str]) -> list[str]:
-    """What a client printed, per environment; the clients run at once (~7 s each alone)."""
+    """What a client printed, per environment (the clients run at once)."""
     procs = []
     for extra_env in extra_envs:
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
