@@ -93,11 +93,11 @@ def main() -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=33)
-    # comma-separated: one loader per mode, in turn ("none": shuffle=False)
-    parser.add_argument("--shuffle-mode", default="blocks")
+    # comma-separated READER/MODE[/EPOCHS], one loader each, in turn ("none": shuffle=False;
+    # READER "ray": Ray Data's read_parquet, "raydl": a plan raydl's own actors run)
+    parser.add_argument("--loaders", default="ray/blocks")
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=0)
-    parser.add_argument("--reader", choices=["ray", "raydl"], default="ray")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -106,14 +106,14 @@ def main() -> None:
     import ray.data
 
     paths = sorted(os.path.join(args.data, f) for f in os.listdir(args.data))
-    if args.reader == "raydl":  # a plan raydl's own actors run (a read and a filter)
-        ds = raydl.read_parquet(paths).map_batches(drop_sevens, batch_format="numpy")
-    else:
-        ds = ray.data.read_parquet(paths)
-    modes = args.shuffle_mode.split(",")
-    for mode in modes:  # one loader after another, each for every epoch
+    datasets = {
+        "raydl": lambda: raydl.read_parquet(paths).map_batches(drop_sevens, batch_format="numpy"),
+        "ray": lambda: ray.data.read_parquet(paths),
+    }
+    specs = [item.split("/") for item in args.loaders.split(",")]
+    for reader, mode, *epochs in specs:  # one loader after another, each for every epoch
         loader = raydl.RayDataLoader(
-            ds,
+            datasets[reader](),
             batch_size=args.batch_size,
             shuffle=mode != "none",
             seed=7,
@@ -121,8 +121,9 @@ def main() -> None:
             local_shuffle_buffer_size=100,
             timeout=args.timeout,
         )
-        record = args.record if len(modes) == 1 else f"{args.record}-{mode}"
-        _consume(loader, f"{record}.rank{rank}", rank, args.epochs, args.die_after)
+        record = args.record if len(specs) == 1 else f"{args.record}-{reader}-{mode}"
+        count = int(epochs[0]) if epochs else args.epochs
+        _consume(loader, f"{record}.rank{rank}", rank, count, args.die_after)
         loader.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -4,12 +4,18 @@ Every step it takes a batch of each of its loaders (the parquet source: one per
 mode, see :data:`PARQUET_MODES`), all-reduces (the DDP step, under several
 ranks), then writes a checkpoint atomically: the loaders' ``state_dict()`` and
 the ids this rank consumed so far in the epoch, as a real job saves model +
-loader state together. With ``--kill-after K`` every rank SIGKILLs itself when its
-K-th batch of the first epoch arrives, before checkpointing it (a preemption:
-that batch was received but not consumed). With ``--resume`` it loads rank
-0's checkpoint (every rank does; under DDP all ranks saved at the same step)
-and finishes that epoch, then runs one more. Writes one JSON line per epoch to
-``<out>.rank<r>``.
+loader state together. With ``--kill-seed S`` it first runs an uninterrupted
+reference (fresh loaders of its own, every epoch, written to ``--reference``),
+then starts over with new loaders and every rank SIGKILLs itself when its K-th
+batch of the first epoch arrives, before checkpointing it (a preemption: that
+batch was received but not consumed); K is ``random.Random(S).randint(2, n - 1)``
+for the reference's n batches an epoch, so the test can work it out too. One
+launch for both saves a launch (torchrun, torch, the connection to Ray) per
+reference, and the killed loaders start in a process that already ran others:
+an order that depended on the process would differ from the reference's. With
+``--resume`` it loads rank 0's checkpoint (every rank does; under DDP all ranks
+saved at the same step) and finishes that epoch, then runs one more. Writes one
+JSON line per epoch to ``<out>.rank<r>``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 from typing import Any
 
@@ -108,6 +115,51 @@ def save(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)  # atomic: a kill never leaves half a checkpoint
 
 
+def run(
+    loaders: dict[str, raydl.RayDataLoader],
+    out_path: str,
+    epochs: int,
+    *,
+    ckpt: str | None = None,
+    kill_after: int = -1,
+) -> int:
+    """Train ``loaders`` to ``epochs``; one JSON line per epoch. Returns epoch 0's batch count.
+
+    With ``ckpt`` each step saves this rank's checkpoint there; ``kill_after`` > 0
+    SIGKILLs the process when that batch of epoch 0 arrives.
+    """
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    start = next(iter(loaders.values())).epoch
+    first_batches = -1
+    with open(out_path, "w") as out:
+        for epoch in range(start, epochs):
+            ids: dict[str, list[int]] = {name: [] for name in loaders}
+            batches = 0
+            for step in steps(loaders):
+                batches += 1
+                if epoch == 0 and batches == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                for name, batch in step.items():
+                    got = batch["id"] if isinstance(batch, dict) else batch
+                    ids[name].extend(int(i) for i in got)
+                if distributed:
+                    dist.all_reduce(torch.ones(1))
+                if ckpt is not None:
+                    states = {name: loader.state_dict() for name, loader in loaders.items()}
+                    save(
+                        os.path.join(ckpt, f"rank{rank}.json"),
+                        {"states": states, "epoch": epoch, "ids": ids},
+                    )
+            if epoch == start:
+                first_batches = batches
+            out.write(json.dumps({"epoch": epoch, "ids": ids, "batches": batches}) + "\n")
+            out.flush()
+    for loader in loaders.values():
+        loader.close()
+    return first_batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--source", choices=["map", "parquet"], required=True)
@@ -115,44 +167,30 @@ def main() -> None:
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--kill-after", type=int, default=-1)
+    parser.add_argument("--reference", help="with --kill-seed: where the reference run writes")
+    parser.add_argument("--kill-seed", type=int)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
+    if (args.kill_seed is None) != (args.reference is None):
+        parser.error("--kill-seed and --reference go together")
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     raydl.init()
+    kill_after = -1
+    if args.kill_seed is not None:
+        batches = run(build(args.source, args.data), f"{args.reference}.rank{rank}", args.epochs)
+        kill_after = random.Random(args.kill_seed).randint(2, batches - 1)
     loaders = build(args.source, args.data)
     if args.resume:
         with open(os.path.join(args.ckpt, "rank0.json")) as f:
             checkpoint = json.load(f)
         for name, loader in loaders.items():
             loader.load_state_dict(checkpoint["states"][name])
-    start = next(iter(loaders.values())).epoch
-    with open(f"{args.out}.rank{rank}", "w") as out:
-        for epoch in range(start, args.epochs):
-            ids: dict[str, list[int]] = {name: [] for name in loaders}
-            batches = 0
-            for step in steps(loaders):
-                batches += 1
-                if epoch == 0 and batches == args.kill_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                for name, batch in step.items():
-                    got = batch["id"] if isinstance(batch, dict) else batch
-                    ids[name].extend(int(i) for i in got)
-                if distributed:
-                    dist.all_reduce(torch.ones(1))
-                states = {name: loader.state_dict() for name, loader in loaders.items()}
-                save(
-                    os.path.join(args.ckpt, f"rank{rank}.json"),
-                    {"states": states, "epoch": epoch, "ids": ids},
-                )
-            out.write(json.dumps({"epoch": epoch, "ids": ids, "batches": batches}) + "\n")
-            out.flush()
-    for loader in loaders.values():
-        loader.close()
+    out = f"{args.out}.rank{rank}"
+    run(loaders, out, args.epochs, ckpt=args.ckpt, kill_after=kill_after)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

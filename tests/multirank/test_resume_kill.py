@@ -11,6 +11,10 @@ shuffle, all on raydl's actors for every rank), so one kill checks every mode.
 The trainers join one Ray cluster started by this module (``RAY_ADDRESS`` and
 the cluster's token, as jobs join a long-lived cluster), so each launch costs a
 connection rather than a Ray start; the cluster outlives every killed trainer.
+One launch per source and world size runs the uninterrupted reference and then
+the killed run (``_resume_trainer.py``'s ``--kill-seed``); the cases that start
+from that world size resume copies of its checkpoint, so 10 launches cover the
+6 cases.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import shutil
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,28 +94,49 @@ def _epochs(out: Path, world: int) -> list[list[dict[str, Any]]]:
     return [[json.loads(line) for line in open(f"{out}.rank{r}")] for r in range(world)]
 
 
-_references: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
+@dataclass(frozen=True)
+class Killed:
+    """One launch at ``world`` ranks: an uninterrupted reference, then a run killed at a batch."""
+
+    reference: list[list[dict[str, Any]]]  # per rank, the JSON line of each epoch
+    ckpt: Path  # the checkpoint each rank saved before it died
+    kill_after: int
 
 
-def _reference(
+_killed: dict[tuple[str, int], Killed] = {}
+
+
+def _reference_and_kill(
     environ: dict[str, str], source: str, world: int, data: Path, tmp: Path
-) -> list[list[dict[str, Any]]]:
-    """An uninterrupted two-epoch run (cached per source and world size)."""
+) -> Killed:
+    """The launch of ``(source, world)``, once per module.
+
+    The cases that start from the same world size resume the same checkpoint
+    (each from a copy of its own), so a kill costs one launch per world size and
+    source, and the reference runs in that launch too.
+    """
     key = (source, world)
-    if key not in _references:
-        folder = tmp / f"ref-{source}-{world}"
+    if key not in _killed:
+        folder = tmp / f"killed-{source}-{world}"
         folder.mkdir()
+        seed = random.Random().randrange(2**32)
         args = ["--source", source, "--data", str(data), "--ckpt", str(folder)]
-        done = _run(environ, world, *args, "--out", str(folder / "out"))
-        assert done.returncode == 0, done.stderr[-3000:]
-        _references[key] = _epochs(folder / "out", world)
-    return _references[key]
+        args += ["--out", str(folder / "killed"), "--reference", str(folder / "reference")]
+        done = _run(environ, world, *args, "--kill-seed", str(seed))
+        reference = _epochs(folder / "reference", world)
+        assert len(reference) == world and all(len(r) == 2 for r in reference), done.stderr[-3000:]
+        assert done.returncode != 0, key  # it really died (after the reference ended)
+        batches = {rank[0]["batches"] for rank in reference}
+        assert len(batches) == 1, (key, batches)  # equal batch counts on every rank
+        kill_after = random.Random(seed).randint(2, batches.pop() - 1)
+        _killed[key] = Killed(reference, folder, kill_after)
+    return _killed[key]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("source", ["map", "parquet"])
-# (1, 1) is left out: each case costs two to three torchrun launches, and a resume at
-# the same world size is covered by (2, 2) here and in-process by tests/integration.
+# (1, 1) is left out: a resume at the same world size is covered by (2, 2) here and
+# in-process by tests/integration.
 @pytest.mark.parametrize(("old", "new"), [(2, 2), (2, 1), (1, 2)])
 def test_sigkill_then_resume_delivers_each_sample_once(
     source: str,
@@ -120,22 +147,20 @@ def test_sigkill_then_resume_delivers_each_sample_once(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     tmp = tmp_path_factory.getbasetemp()
-    before = _reference(cluster_env, source, old, parquet_dir, tmp)
+    killed = _reference_and_kill(cluster_env, source, old, parquet_dir, tmp)
+    before, kill_after = killed.reference, killed.kill_after
     batches = before[0][0]["batches"]
-    kill_after = random.Random().randint(2, batches - 1)
     where = f"{source}: {old} -> {new} ranks, killed at batch {kill_after} of {batches}"
     ckpt = tmp_path_factory.mktemp("ckpt")
-    common = ["--source", source, "--data", str(parquet_dir), "--ckpt", str(ckpt)]
-    killed = _run(
-        cluster_env, old, *common, "--out", str(ckpt / "killed"), "--kill-after", str(kill_after)
-    )
-    assert killed.returncode != 0, where  # it really died
+    for r in range(old):  # a copy: the resumed run checkpoints into its folder too
+        shutil.copy(killed.ckpt / f"rank{r}.json", ckpt / f"rank{r}.json")
     saved = [json.loads((ckpt / f"rank{r}.json").read_text()) for r in range(old)]
     assert all(s["epoch"] == 0 for s in saved), where
+    common = ["--source", source, "--data", str(parquet_dir), "--ckpt", str(ckpt)]
     resumed = _run(cluster_env, new, *common, "--resume", "--out", str(ckpt / "resumed"))
     assert resumed.returncode == 0, f"{where}\n{resumed.stderr[-3000:]}"
     after = _epochs(ckpt / "resumed", new)
-    next_epoch = _reference(cluster_env, source, new, parquet_dir, tmp)
+    next_epoch = _reference_and_kill(cluster_env, source, new, parquet_dir, tmp).reference
     assert len({rank[0]["batches"] for rank in after}) == 1, where  # equal batch counts
     for name in saved[0]["states"]:  # every loader of the source, stepped together
         at = f"{where}, {name}"

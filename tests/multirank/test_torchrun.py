@@ -1,7 +1,8 @@
 """Multi-rank tests: real torchrun processes (gloo on CPU) sharing one Ray cluster.
 
 Each launch starts rank 0's embedded Ray, so these are slow; they are kept few
-and each checks several properties at once.
+and each checks several properties at once. A launch may also serve several
+tests (``split_runs``), each asserting on the records of its own loaders.
 """
 
 from __future__ import annotations
@@ -68,18 +69,36 @@ def unequal_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 TOTAL_ROWS = 2 * 1000 + 2 * 37
+MODES = ("global", "files", "none")  # "none": shuffle=False
+#: What each of the two launches of ``split_runs`` runs, one loader after another: Ray
+#: Data's own read under the streaming split (2 epochs), then a direct plan in every mode
+#: (3 epochs each). One pair of launches serves both tests below, each on its own records.
+SPLIT_LOADERS = ",".join(["ray/blocks/2", *(f"raydl/{mode}/3" for mode in MODES)])
 
 
-@pytest.mark.timeout(420)
-def test_ray_data_split_is_exact_equal_and_reproducible(unequal_data: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def split_runs(
+    unequal_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, dict[int, list[dict]]]]:
+    """Two identical launches; per launch, the records of each loader by ``READER-MODE``."""
     runs = []
     for run in range(2):
-        prefix = tmp_path / f"run{run}"
+        prefix = tmp_path_factory.mktemp("split") / f"run{run}"
         proc = _torchrun(
-            str(SCRIPT), "--record", str(prefix), "--data", str(unequal_data), timeout=200
-        )
+            str(SCRIPT), "--record", str(prefix), "--data", str(unequal_data),
+            "--loaders", SPLIT_LOADERS, timeout=400,
+        )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
-        runs.append(_records(prefix))
+        names = ["ray-blocks", *(f"raydl-{mode}" for mode in MODES)]
+        runs.append({name: _records(Path(f"{prefix}-{name}")) for name in names})
+    return runs
+
+
+@pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
+def test_ray_data_split_is_exact_equal_and_reproducible(
+    split_runs: list[dict[str, dict[int, list[dict]]]],
+) -> None:
+    runs = [run["ray-blocks"] for run in split_runs]
     first = runs[0]
     for epoch in range(2):
         per_rank = [first[rank][epoch] for rank in (0, 1)]
@@ -96,29 +115,17 @@ def test_ray_data_split_is_exact_equal_and_reproducible(unequal_data: Path, tmp_
     assert _orders(runs[0]) == _orders(runs[1])
 
 
-MODES = ("global", "files", "none")  # "none": shuffle=False
-
-
-@pytest.mark.timeout(660)
+@pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
 def test_direct_plans_run_on_raydls_actors_for_every_rank(
-    unequal_data: Path, tmp_path: Path
+    split_runs: list[dict[str, dict[int, list[dict]]]],
 ) -> None:
-    """Every mode of a direct plan on the fast path under 2 ranks, one launch per run.
+    """Every mode of a direct plan on the fast path under 2 ranks.
 
     A raydl read and a filter (its output size unknown in advance), in each mode:
     the global shuffle (rank 0's map phase, every rank reducing its share) and the
     streaming ones (rank 0 loads the runs and deals rows to the ranks).
     """
-    runs = []
-    for run in range(2):
-        prefix = tmp_path / f"run{run}"
-        proc = _torchrun(
-            str(SCRIPT), "--record", str(prefix), "--data", str(unequal_data),
-            "--reader", "raydl", "--shuffle-mode", ",".join(MODES), "--epochs", "3",
-            timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs.append({mode: _records(Path(f"{prefix}-{mode}")) for mode in MODES})
+    runs = [{mode: run[f"raydl-{mode}"] for mode in MODES} for run in split_runs]
     kept = [i for i in range(TOTAL_ROWS) if i % 10 != 7]
     for mode in MODES:
         first = runs[0][mode]

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import raydl
 from raydl import RayDataLoader, World
+from raydl._internal.runtime import env as raydl_env
 
 HERE = Path(__file__).parent
 
@@ -230,17 +231,19 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
-def test_two_ranks_with_fewer_rows_than_ranks_and_a_big_batch(
-    tmp_path: Path, ray_tmpdir: str
-) -> None:
+def test_two_ranks_with_fewer_rows_than_ranks_and_a_big_batch(tmp_path: Path) -> None:
     """Fewer rows than ranks and a batch larger than a rank's share, under torchrun.
 
     (Empty sources and ``drop_last`` are covered on one rank above; each case here
-    costs a pipeline and a split coordinator, so the launch is kept to three.)
+    costs a pipeline and a split coordinator, so the launch is kept to three.) The
+    ranks join the module's cluster (its address and token), as jobs join a running
+    cluster: a connection instead of a Ray start; rank 0's embedded start under
+    torchrun is tests/multirank/test_torchrun.py's.
     """
     record = tmp_path / "edge"
-    env = dict(os.environ, RAY_TMPDIR=ray_tmpdir, PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    env["RAY_AUTH_TOKEN"] = raydl_env.ray_auth_token() or ""
     proc = subprocess.run(
         [
             sys.executable,

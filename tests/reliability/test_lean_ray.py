@@ -10,6 +10,7 @@ never imports Ray Data into the training process (about 57 MB).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,29 +31,41 @@ print(json.dumps({"rows": rows, "programs": programs, "ray_data": "ray.data" in 
 """
 
 
-def _programs(**env: str) -> dict[str, list]:
-    with tempfile.TemporaryDirectory(prefix="rdl", ignore_cleanup_errors=True) as tmp:
-        environ = {**os.environ, "RAY_TMPDIR": tmp, **env}
-        environ.pop("RAY_ADDRESS", None)
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIPT],
-            capture_output=True,
-            text=True,
-            env=environ,
-            timeout=150,
-        )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _programs(*envs: dict[str, str]) -> list[dict[str, list]]:
+    """Per environment, what a fresh process saw; the processes run at once (their own Rays)."""
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for env in envs:
+            tmp = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="rdl", ignore_cleanup_errors=True)
+            )
+            environ = {**os.environ, "RAY_TMPDIR": tmp, **env}
+            environ.pop("RAY_ADDRESS", None)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", SCRIPT],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=environ,
+            )
+            stack.callback(proc.wait)
+            stack.callback(proc.kill)
+            procs.append(proc)
+        seen = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=150)
+            assert proc.returncode == 0, err[-3000:]
+            seen.append(json.loads(out.strip().splitlines()[-1]))
+        return seen
 
 
 @pytest.mark.timeout(360)
 def test_the_embedded_instance_runs_no_monitor_and_no_dashboard_head() -> None:
-    lean = _programs()
+    lean, full = _programs({}, {"RAYDL_LEAN_RAY": "0"})
     assert lean["rows"] == list(range(40))
     assert "log_monitor.py" in lean["programs"]  # the listing sees Ray's Python programs
     assert "monitor.py" not in lean["programs"]
     assert "dashboard.py" not in lean["programs"]
     assert lean["ray_data"] is False
-    full = _programs(RAYDL_LEAN_RAY="0")
     assert full["rows"] == list(range(40))
     assert {"monitor.py", "dashboard.py"} <= set(full["programs"])
