@@ -31,10 +31,10 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 #: Allocations up to this size come from the heap, not from their own ``mmap``.
-MMAP_THRESHOLD = 256 << 20
+MMAP_THRESHOLD = 64 << 20
 
 #: Free memory at the top of the heap kept for later allocations, at most.
-TRIM_THRESHOLD = 512 << 20
+TRIM_THRESHOLD = 64 << 20
 
 
 def keep_freed_memory() -> bool:
