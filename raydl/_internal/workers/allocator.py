@@ -6,14 +6,17 @@ temporaries of its size. glibc's ``malloc`` serves such sizes with a fresh
 ``mmap`` (above ``M_MMAP_THRESHOLD``, 128 KB at first) and gives the memory back
 to the kernel on ``free``, so every byte the actor produces is page-faulted in
 and zeroed by the kernel again. Measured here (2 CPUs, the benchmark's JPEG
-decode of 224x224 images): 158 page faults per image, and the decode took
-0.94-1.15 ms per image against 0.63-0.85 ms with freed memory kept.
+decode of 224x224 images, three runs each way): 158 page faults per image, and
+the decode took 0.94-1.15 ms per image against 0.63-0.85 ms with both thresholds
+raised through glibc's ``MALLOC_*_`` variables (256 MB and 1 GB; 7 faults per
+image). The thresholds kept, 64 MB, are a middle measured on the whole loader
+(docs/design.md).
 
 So each actor raises both thresholds when it starts (``mallopt``): allocations up
 to :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` of
 free heap is kept for the next allocation rather than returned. The cost is that
 an actor's resident memory stays near its high-water mark between batches
-(docs/design.md, "Allocator"). It applies to raydl's actors only, never to the
+(docs/design.md, "What an actor's process does differently from a torch worker's"). It applies to raydl's actors only, never to the
 training process. ``RAYDL_KEEP_FREED_MEMORY=0`` leaves glibc's defaults; on other
 C libraries (musl, macOS) nothing changes.
 """

@@ -207,8 +207,7 @@ def array_to_tensor(array: np.ndarray, *, owned: bool, smallest_view: int = 0) -
     and at least ``smallest_view`` bytes (see :data:`DETACH_RATIO`).
     """
     if not array.flags.writeable:
-        viewed = owned and array.nbytes >= smallest_view
-        array = writable_view(array) if viewed else array.copy()
+        array = owned_array(array, smallest_view) if owned else array.copy()
     return torch.from_numpy(array)
 
 
@@ -262,17 +261,21 @@ def owned_blocks(blocks: Any) -> Any:
         arrays = [c.nbytes for c in blocks.values() if isinstance(c, np.ndarray)]
         smallest_view = max(arrays, default=0) // DETACH_RATIO
         return {
-            name: _owned_column(column, smallest_view) if isinstance(column, np.ndarray) else column
+            name: owned_array(column, smallest_view) if isinstance(column, np.ndarray) else column
             for name, column in blocks.items()
         }
     return blocks
 
 
-def _owned_column(column: np.ndarray, smallest_view: int) -> np.ndarray:
-    """A block's column, writable: a view of it, or a copy if small (:data:`DETACH_RATIO`)."""
-    if column.nbytes < smallest_view and not column.flags.writeable:
-        return column.copy()
-    return writable_view(column)
+def owned_array(array: np.ndarray, smallest_view: int) -> np.ndarray:
+    """An owned array, writable: a view of it, or a copy if read-only and under ``smallest_view`` bytes.
+
+    The one rule of :data:`DETACH_RATIO`, for replies (:func:`array_to_tensor`) and
+    blocks (:func:`owned_blocks`) alike.
+    """
+    if array.nbytes < smallest_view and not array.flags.writeable:
+        return array.copy()
+    return writable_view(array)
 
 
 def numpy_batch_to_tensors(
