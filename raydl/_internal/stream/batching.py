@@ -106,22 +106,24 @@ class _Pool:
     def take(self, rows: np.ndarray) -> Batch:
         """The held rows ``rows`` (global indices) gathered into one batch."""
         which = np.searchsorted(self._starts, rows, side="right") - 1
-        first = int(which[0]) if len(which) else 0
-        if len(which) and (which == first).all():
+        used = np.flatnonzero(np.bincount(which, minlength=len(self._blocks)))
+        if len(used) <= 1:
+            first = int(used[0]) if len(used) else 0
             block, offset = self._blocks[first], int(self._starts[first])
             return {name: column[rows - offset] for name, column in block.items()}
         local = rows - self._starts[which]
+        # Each block's places in the batch and rows in the block, found once for all columns.
+        groups = [(where, local[where]) for where in (np.flatnonzero(which == i) for i in used)]
         out: Batch = {}
-        for name, sample in self._blocks[first].items():
+        for name, sample in self._blocks[int(used[0])].items():
             column = np.empty((len(rows), *sample.shape[1:]), dtype=sample.dtype)
             if sample.itemsize * math.prod(sample.shape[1:]) >= self.ROW_BY_ROW_BYTES:
                 # Large rows (images): each copied once, straight into its place.
                 for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
                     column[i] = self._blocks[index][name][row]
             else:
-                for index in np.unique(which):
-                    mask = which == index
-                    column[mask] = self._blocks[index][name][local[mask]]
+                for index, (where, at) in zip(used.tolist(), groups, strict=True):
+                    column[where] = self._blocks[index][name][at]
             out[name] = column
         return out
 
@@ -141,7 +143,8 @@ class _Pool:
         if not len(rows):
             self._blocks, self._starts = [], np.zeros(1, dtype=np.int64)
             return
-        used = np.unique(np.searchsorted(self._starts, rows, side="right") - 1)
+        which = np.searchsorted(self._starts, rows, side="right") - 1
+        used = np.flatnonzero(np.bincount(which, minlength=len(self._blocks)))
         sizes = np.diff(self._starts)[used]
         if sizes.sum() > self.SLACK * len(rows):
             compact = self.take(rows)
@@ -154,7 +157,6 @@ class _Pool:
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         shift = np.zeros(len(self._blocks), dtype=np.int64)
         shift[used] = self._starts[used] - starts[:-1]
-        which = np.searchsorted(self._starts, rows, side="right") - 1
         self.rows = rows - shift[which]
         self._blocks = [self._blocks[i] for i in used]
         self._starts = starts
