@@ -12,21 +12,38 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: float) -> str:
+def _start(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+
+
+def _output(proc: subprocess.Popen[str], timeout: float) -> str:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    return stdout
+
+
+def _run(*args: str, timeout: float) -> str:
+    return _output(_start(*args), timeout)
 
 
 @pytest.mark.timeout(240)
 def test_quickstart_trains_with_raydl_and_matches_torch() -> None:
     args = ("examples/quickstart.py", "--epochs", "2", "--samples", "3000", "--batch-size", "128")
-    ours = _run(*args, timeout=200)
-    theirs = _run(*args, "--torch", timeout=200)
+    # Both at once: torch's run needs no Ray and mostly imports.
+    torch_run = _start(*args, "--torch")
+    try:
+        ours = _run(*args, timeout=200)
+        theirs = _output(torch_run, timeout=200)
+    finally:
+        torch_run.kill()
     assert "raydl.RayDataLoader: 24 batches per epoch" in ours
     # Same data order as torch under torch.manual_seed: the same losses per epoch.
     losses = [line.split("loss ")[1] for line in ours.splitlines() if "loss " in line]

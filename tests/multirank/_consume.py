@@ -2,8 +2,10 @@
 
 Launched by torchrun (or by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
 Writes one JSON line per epoch to ``<record>.rank<r>``. With ``--die-after K``
-rank 1 kills itself (SIGKILL) after K batches, to test that rank 0 fails
-cleanly instead of hanging.
+rank 1 kills itself (SIGKILL) after K batches of each loader whose spec ends in
+``/dies`` (the last one; it runs with ``--timeout``), to test that rank 0 fails
+cleanly instead of hanging. ``--early-collectives RECORD`` first runs
+``_early_collectives.py``'s scenario, whose loader starts Ray in the background.
 """
 
 from __future__ import annotations
@@ -93,15 +95,21 @@ def main() -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=33)
-    # comma-separated READER/MODE[/EPOCHS], one loader each, in turn ("none": shuffle=False;
-    # READER "ray": Ray Data's read_parquet, "raydl": a plan raydl's own actors run)
+    # comma-separated READER/MODE[/EPOCHS[/dies]], one loader each, in turn ("none":
+    # shuffle=False; READER "ray": Ray Data's read_parquet, "raydl": a plan raydl's own
+    # actors run; "dies": --die-after and --timeout apply to this loader)
     parser.add_argument("--loaders", default="ray/blocks")
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=0)
+    parser.add_argument("--early-collectives", metavar="RECORD")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.early_collectives:
+        from _early_collectives import scenario
+
+        scenario(args.early_collectives)
     raydl.init()
     import ray.data
 
@@ -111,7 +119,8 @@ def main() -> None:
         "ray": lambda: ray.data.read_parquet(paths),
     }
     specs = [item.split("/") for item in args.loaders.split(",")]
-    for reader, mode, *epochs in specs:  # one loader after another, each for every epoch
+    for reader, mode, *rest in specs:  # one loader after another, each for every epoch
+        dies = rest[1:] == ["dies"]
         loader = raydl.RayDataLoader(
             datasets[reader](),
             batch_size=args.batch_size,
@@ -119,11 +128,12 @@ def main() -> None:
             seed=7,
             shuffle_mode="files" if mode == "none" else mode,
             local_shuffle_buffer_size=100,
-            timeout=args.timeout,
+            timeout=args.timeout if dies else 0,
         )
         record = args.record if len(specs) == 1 else f"{args.record}-{reader}-{mode}"
-        count = int(epochs[0]) if epochs else args.epochs
-        _consume(loader, f"{record}.rank{rank}", rank, count, args.die_after)
+        record += "-dies" if dies and len(specs) > 1 else ""
+        count = int(rest[0]) if rest else args.epochs
+        _consume(loader, f"{record}.rank{rank}", rank, count, args.die_after if dies else -1)
         loader.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """A DDP script that builds its loader, then at once makes collectives of its own.
 
-Launched by torchrun (2 ranks, gloo). The loader's background start (rank 0
+Launched by torchrun (2 ranks, gloo), or run first by ``_consume.py
+--early-collectives`` (one launch for both). The loader's background start (rank 0
 starting Ray, rank 1 waiting for its address) runs while the script broadcasts
 DDP's parameters, all-reduces and gathers on the default process group: the
 start must neither deadlock nor pair with these calls. Each rank then trains
@@ -27,6 +28,12 @@ class Ids(Dataset[torch.Tensor]):
 
 def main(record: str) -> None:
     dist.init_process_group("gloo")
+    scenario(record)
+    dist.destroy_process_group()
+
+
+def scenario(record: str) -> None:
+    """The loader's background start against the script's collectives; Ray's first start."""
     rank = dist.get_rank()
     from raydl import RayDataLoader
 
@@ -70,7 +77,6 @@ def main(record: str) -> None:
             f,
         )
     loader.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,18 +4,19 @@ Every step it takes a batch of each of its loaders (the parquet source: one per
 mode, see :data:`PARQUET_MODES`), all-reduces (the DDP step, under several
 ranks), then writes a checkpoint atomically: the loaders' ``state_dict()`` and
 the ids this rank consumed so far in the epoch, as a real job saves model +
-loader state together. With ``--kill-seed S`` it first runs an uninterrupted
-reference (fresh loaders of its own, every epoch, written to ``--reference``),
-then starts over with new loaders and every rank SIGKILLs itself when its K-th
-batch of the first epoch arrives, before checkpointing it (a preemption: that
-batch was received but not consumed); K is ``random.Random(S).randint(2, n - 1)``
-for the reference's n batches an epoch, so the test can work it out too. One
-launch for both saves a launch (torchrun, torch, the connection to Ray) per
-reference, and the killed loaders start in a process that already ran others:
-an order that depended on the process would differ from the reference's. With
-``--resume`` it loads rank 0's checkpoint (every rank does; under DDP all ranks
-saved at the same step) and finishes that epoch, then runs one more. Writes one
-JSON line per epoch to ``<out>.rank<r>``.
+loader state together. Each ``--resume CKPT OUT`` (repeatable, run in turn) builds
+fresh loaders, loads ``CKPT``'s rank-0 checkpoint (every rank does; under DDP all
+ranks saved at the same step), finishes that epoch and runs one more, writing to
+``OUT`` and checkpointing into ``CKPT``. With ``--kill-seed S`` it then runs an
+uninterrupted reference (fresh loaders of its own, every epoch, written to
+``--reference``), then starts over with new loaders and every rank SIGKILLs
+itself when its K-th batch of the first epoch arrives, before checkpointing it (a
+preemption: that batch was received but not consumed) into ``--ckpt``; K is
+``random.Random(S).randint(2, n - 1)`` for the reference's n batches an epoch, so
+the test can work it out too. One launch for several runs saves a launch
+(torchrun, torch, the connection to Ray) per run, and the later loaders start in
+a process that already ran others: an order that depended on the process would
+differ from the reference's. Writes one JSON line per epoch to ``<out>.rank<r>``.
 """
 
 from __future__ import annotations
@@ -164,33 +165,39 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--source", choices=["map", "parquet"], required=True)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--reference", help="with --kill-seed: where the reference run writes")
+    parser.add_argument(
+        "--resume", nargs=2, action="append", default=[], metavar=("CKPT", "OUT"),
+        help="resume from CKPT/rank0.json into OUT (repeatable; before the kill run)",
+    )  # fmt: skip
     parser.add_argument("--kill-seed", type=int)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--reference", help="with --kill-seed: where the reference run writes")
+    parser.add_argument("--ckpt", help="with --kill-seed: where the killed run checkpoints")
+    parser.add_argument("--out", help="with --kill-seed: where the killed run writes")
     args = parser.parse_args()
-    if (args.kill_seed is None) != (args.reference is None):
-        parser.error("--kill-seed and --reference go together")
+    kill_args = (args.kill_seed, args.reference, args.ckpt, args.out)
+    if len({arg is None for arg in kill_args}) != 1:
+        parser.error("--kill-seed, --reference, --ckpt and --out go together")
+    if args.kill_seed is None and not args.resume:
+        parser.error("nothing to run: give --resume or --kill-seed")
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     raydl.init()
-    kill_after = -1
-    if args.kill_seed is not None:
-        batches = run(build(args.source, args.data), f"{args.reference}.rank{rank}", args.epochs)
-        kill_after = random.Random(args.kill_seed).randint(2, batches - 1)
-    loaders = build(args.source, args.data)
-    if args.resume:
-        with open(os.path.join(args.ckpt, "rank0.json")) as f:
+    for ckpt, out in args.resume:
+        loaders = build(args.source, args.data)
+        with open(os.path.join(ckpt, "rank0.json")) as f:
             checkpoint = json.load(f)
         for name, loader in loaders.items():
             loader.load_state_dict(checkpoint["states"][name])
-    out = f"{args.out}.rank{rank}"
-    run(loaders, out, args.epochs, ckpt=args.ckpt, kill_after=kill_after)
+        run(loaders, f"{out}.rank{rank}", args.epochs, ckpt=ckpt)
+    if args.kill_seed is not None:
+        batches = run(build(args.source, args.data), f"{args.reference}.rank{rank}", args.epochs)
+        kill_after = random.Random(args.kill_seed).randint(2, batches - 1)
+        loaders = build(args.source, args.data)
+        run(loaders, f"{args.out}.rank{rank}", args.epochs, ckpt=args.ckpt, kill_after=kill_after)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -11,10 +11,12 @@ shuffle, all on raydl's actors for every rank), so one kill checks every mode.
 The trainers join one Ray cluster started by this module (``RAY_ADDRESS`` and
 the cluster's token, as jobs join a long-lived cluster), so each launch costs a
 connection rather than a Ray start; the cluster outlives every killed trainer.
-One launch per source and world size runs the uninterrupted reference and then
-the killed run (``_resume_trainer.py``'s ``--kill-seed``); the cases that start
-from that world size resume copies of its checkpoint, so 10 launches cover the
-6 cases.
+Three launches per source cover its 3 cases (6 launches in all): a launch at
+2 ranks runs the uninterrupted reference and then the killed run
+(``_resume_trainer.py``'s ``--kill-seed``); a launch at 1 rank resumes a copy of
+that checkpoint (case 2 -> 1), then runs its own reference and killed run; a
+last launch at 2 ranks resumes a copy of each world size's checkpoint in turn
+(cases 2 -> 2 and 1 -> 2). Each case asserts on its own resumed run.
 """
 
 from __future__ import annotations
@@ -96,41 +98,99 @@ def _epochs(out: Path, world: int) -> list[list[dict[str, Any]]]:
 
 @dataclass(frozen=True)
 class Killed:
-    """One launch at ``world`` ranks: an uninterrupted reference, then a run killed at a batch."""
+    """A run at ``world`` ranks killed at a batch, after its launch's uninterrupted reference."""
 
     reference: list[list[dict[str, Any]]]  # per rank, the JSON line of each epoch
     ckpt: Path  # the checkpoint each rank saved before it died
     kill_after: int
 
 
-_killed: dict[tuple[str, int], Killed] = {}
+@dataclass(frozen=True)
+class Resumed:
+    """One case: the checkpoint it started from (as saved) and the resumed run's epochs."""
+
+    saved: list[dict[str, Any]]  # per rank of the killed run, its checkpoint
+    after: list[list[dict[str, Any]]]  # per rank of the resumed run, the JSON line of each epoch
+    stderr: str  # the resuming launch's
 
 
-def _reference_and_kill(
-    environ: dict[str, str], source: str, world: int, data: Path, tmp: Path
+#: Per source: each world size's killed run and each case's resumed run.
+_launched: dict[str, tuple[dict[int, Killed], dict[tuple[int, int], Resumed]]] = {}
+
+
+def _kill_args(folder: Path, seed: int) -> list[str]:
+    """Arguments of a launch's reference and killed run, both written into ``folder``."""
+    return [
+        "--reference", str(folder / "reference"), "--ckpt", str(folder),
+        "--out", str(folder / "killed"), "--kill-seed", str(seed),
+    ]  # fmt: skip
+
+
+def _killed(
+    done: subprocess.CompletedProcess[str], folder: Path, world: int, seed: int, where: str
 ) -> Killed:
-    """The launch of ``(source, world)``, once per module.
+    """What a launch's reference and killed run left: checked to have ended as planned."""
+    assert (folder / f"reference.rank{world - 1}").exists(), f"{where}\n{done.stderr[-3000:]}"
+    reference = _epochs(folder / "reference", world)
+    assert len(reference) == world and all(len(r) == 2 for r in reference), done.stderr[-3000:]
+    assert done.returncode != 0, where  # it really died (after the reference ended)
+    if world == 1:  # killed by the planned SIGKILL, not by an error
+        assert done.returncode == -9, f"{where}\n{done.stderr[-3000:]}"
+    batches = {rank[0]["batches"] for rank in reference}
+    assert len(batches) == 1, (where, batches)  # equal batch counts on every rank
+    kill_after = random.Random(seed).randint(2, batches.pop() - 1)
+    return Killed(reference, folder, kill_after)
 
-    The cases that start from the same world size resume the same checkpoint
-    (each from a copy of its own), so a kill costs one launch per world size and
-    source, and the reference runs in that launch too.
-    """
-    key = (source, world)
-    if key not in _killed:
-        folder = tmp / f"killed-{source}-{world}"
-        folder.mkdir()
-        seed = random.Random().randrange(2**32)
-        args = ["--source", source, "--data", str(data), "--ckpt", str(folder)]
-        args += ["--out", str(folder / "killed"), "--reference", str(folder / "reference")]
-        done = _run(environ, world, *args, "--kill-seed", str(seed))
-        reference = _epochs(folder / "reference", world)
-        assert len(reference) == world and all(len(r) == 2 for r in reference), done.stderr[-3000:]
-        assert done.returncode != 0, key  # it really died (after the reference ended)
-        batches = {rank[0]["batches"] for rank in reference}
-        assert len(batches) == 1, (key, batches)  # equal batch counts on every rank
-        kill_after = random.Random(seed).randint(2, batches.pop() - 1)
-        _killed[key] = Killed(reference, folder, kill_after)
-    return _killed[key]
+
+def _resume_from(
+    killed: Killed, old: int, tmp: Path, name: str
+) -> tuple[Path, list[dict[str, Any]]]:
+    """A copy of ``killed``'s checkpoint (a resumed run checkpoints into its folder too)."""
+    ckpt = tmp / name
+    ckpt.mkdir()
+    for r in range(old):
+        shutil.copy(killed.ckpt / f"rank{r}.json", ckpt / f"rank{r}.json")
+    return ckpt, [json.loads((ckpt / f"rank{r}.json").read_text()) for r in range(old)]
+
+
+def _launches(
+    environ: dict[str, str], source: str, data: Path, tmp: Path
+) -> tuple[dict[int, Killed], dict[tuple[int, int], Resumed]]:
+    """The three launches of ``source``, once per module (see the module docstring)."""
+    if source in _launched:
+        return _launched[source]
+    root = tmp / f"launches-{source}"
+    root.mkdir()
+    common = ["--source", source, "--data", str(data)]
+    killed: dict[int, Killed] = {}
+    resumed: dict[tuple[int, int], Resumed] = {}
+    # 2 ranks: the reference, then a run killed at a batch.
+    seed = random.Random().randrange(2**32)
+    (root / "killed-2").mkdir()
+    done = _run(environ, 2, *common, *_kill_args(root / "killed-2", seed))
+    killed[2] = _killed(done, root / "killed-2", 2, seed, f"{source}: the killed run at 2 ranks")
+    # 1 rank: resume 2 -> 1, then this world size's reference and killed run.
+    ckpt_21, saved_21 = _resume_from(killed[2], 2, root, "resumed-2-1")
+    seed = random.Random().randrange(2**32)
+    (root / "killed-1").mkdir()
+    done = _run(
+        environ, 1, *common, "--resume", str(ckpt_21), str(ckpt_21 / "resumed"),
+        *_kill_args(root / "killed-1", seed),
+    )  # fmt: skip
+    killed[1] = _killed(done, root / "killed-1", 1, seed, f"{source}: 2 -> 1 ranks, then killed")
+    resumed[(2, 1)] = Resumed(saved_21, _epochs(ckpt_21 / "resumed", 1), done.stderr)
+    # 2 ranks: resume 2 -> 2, then 1 -> 2.
+    ckpt_22, saved_22 = _resume_from(killed[2], 2, root, "resumed-2-2")
+    ckpt_12, saved_12 = _resume_from(killed[1], 1, root, "resumed-1-2")
+    done = _run(
+        environ, 2, *common, "--resume", str(ckpt_22), str(ckpt_22 / "resumed"),
+        "--resume", str(ckpt_12), str(ckpt_12 / "resumed"),
+    )  # fmt: skip
+    assert done.returncode == 0, f"{source}: 2 -> 2 and 1 -> 2 ranks\n{done.stderr[-3000:]}"
+    resumed[(2, 2)] = Resumed(saved_22, _epochs(ckpt_22 / "resumed", 2), done.stderr)
+    resumed[(1, 2)] = Resumed(saved_12, _epochs(ckpt_12 / "resumed", 2), done.stderr)
+    _launched[source] = (killed, resumed)
+    return _launched[source]
 
 
 @pytest.mark.timeout(600)
@@ -146,21 +206,17 @@ def test_sigkill_then_resume_delivers_each_sample_once(
     cluster_env: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    tmp = tmp_path_factory.getbasetemp()
-    killed = _reference_and_kill(cluster_env, source, old, parquet_dir, tmp)
-    before, kill_after = killed.reference, killed.kill_after
+    killed, resumed = _launches(cluster_env, source, parquet_dir, tmp_path_factory.getbasetemp())
+    before, kill_after = killed[old].reference, killed[old].kill_after
     batches = before[0][0]["batches"]
     where = f"{source}: {old} -> {new} ranks, killed at batch {kill_after} of {batches}"
-    ckpt = tmp_path_factory.mktemp("ckpt")
-    for r in range(old):  # a copy: the resumed run checkpoints into its folder too
-        shutil.copy(killed.ckpt / f"rank{r}.json", ckpt / f"rank{r}.json")
-    saved = [json.loads((ckpt / f"rank{r}.json").read_text()) for r in range(old)]
+    case = resumed[(old, new)]
+    saved, after = case.saved, case.after
     assert all(s["epoch"] == 0 for s in saved), where
-    common = ["--source", source, "--data", str(parquet_dir), "--ckpt", str(ckpt)]
-    resumed = _run(cluster_env, new, *common, "--resume", "--out", str(ckpt / "resumed"))
-    assert resumed.returncode == 0, f"{where}\n{resumed.stderr[-3000:]}"
-    after = _epochs(ckpt / "resumed", new)
-    next_epoch = _reference_and_kill(cluster_env, source, new, parquet_dir, tmp).reference
+    assert len(after) == new and all(len(rank) == 2 for rank in after), (
+        f"{where}\n{case.stderr[-3000:]}"
+    )
+    next_epoch = killed[new].reference
     assert len({rank[0]["batches"] for rank in after}) == 1, where  # equal batch counts
     for name in saved[0]["states"]:  # every loader of the source, stepped together
         at = f"{where}, {name}"

@@ -7,6 +7,7 @@ tests (``split_runs``), each asserting on the records of its own loaders.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -72,33 +74,105 @@ TOTAL_ROWS = 2 * 1000 + 2 * 37
 MODES = ("global", "files", "none")  # "none": shuffle=False
 #: What each of the two launches of ``split_runs`` runs, one loader after another: Ray
 #: Data's own read under the streaming split (2 epochs), then a direct plan in every mode
-#: (3 epochs each). One pair of launches serves both tests below, each on its own records.
+#: (3 epochs each). One pair of launches serves the tests below, each on its own records.
 SPLIT_LOADERS = ",".join(["ray/blocks/2", *(f"raydl/{mode}/3" for mode in MODES)])
+SPLIT_NAMES = ["ray-blocks", *(f"raydl-{mode}" for mode in MODES)]
+SPLIT_EPOCHS = {"ray-blocks": 2, **{f"raydl-{mode}": 3 for mode in MODES}}
+
+
+@dataclass(frozen=True)
+class SplitRuns:
+    """The two launches of ``split_runs``: per launch, each loader's records by ``READER-MODE``.
+
+    The first, under torchrun, starts with ``_early_collectives.py``'s scenario (its
+    loader's background start is the launch's Ray start): ``early`` is what each rank
+    saw. The second is launched by hand and ends with a loader under which rank 1
+    SIGKILLs itself (``dead_*``).
+    """
+
+    runs: list[dict[str, dict[int, list[dict]]]]
+    early: dict[int, dict]
+    dead_returncodes: list[int | None]
+    dead_lines: list[str]  # rank 0's record of the loader rank 1 died under
+    dead_output: str
+
+
+def _by_hand(args: list[str], log: Path, wait_s: float) -> tuple[list[int | None], str]:
+    """The two ranks of ``_consume.py ARGS`` as processes of their own, not under torchrun.
+
+    torchrun's agent would SIGTERM rank 0 itself once rank 1 died. Returns both
+    return codes (``None``: still running after ``wait_s``, then killed) and the
+    end of rank 0's stderr (written to ``log``: a pipe nobody reads could fill up).
+    """
+    port = _free_port()
+    procs = []
+    with open(log, "w") as err:
+        for rank in (0, 1):
+            env = _env() | {
+                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            }  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCRIPT), *args],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err if rank == 0 else subprocess.DEVNULL,
+                )
+            )
+    deadline = time.monotonic() + wait_s
+    try:
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return codes, log.read_text()[-4000:]
 
 
 @pytest.fixture(scope="module")
-def split_runs(
-    unequal_data: Path, tmp_path_factory: pytest.TempPathFactory
-) -> list[dict[str, dict[int, list[dict]]]]:
-    """Two identical launches; per launch, the records of each loader by ``READER-MODE``."""
+def split_runs(unequal_data: Path, tmp_path_factory: pytest.TempPathFactory) -> SplitRuns:
+    """Two identical runs of ``SPLIT_LOADERS``: one under torchrun, one by hand (see SplitRuns)."""
+    folder = tmp_path_factory.mktemp("split")
+    common = ["--data", str(unequal_data)]
+    early = folder / "early"
+    proc = _torchrun(
+        str(SCRIPT), "--early-collectives", str(early), "--record", str(folder / "run0"),
+        *common, "--loaders", SPLIT_LOADERS, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    seen = {rank: json.loads(Path(f"{early}.rank{rank}").read_text()) for rank in (0, 1)}
+    dies = [
+        "--loaders",
+        f"{SPLIT_LOADERS},ray/blocks/1/dies",
+        "--die-after",
+        "5",
+        "--timeout",
+        "60",
+    ]
+    codes, output = _by_hand(
+        ["--record", str(folder / "run1"), *common, *dies], folder / "run1.stderr", wait_s=400
+    )
     runs = []
     for run in range(2):
-        prefix = tmp_path_factory.mktemp("split") / f"run{run}"
-        proc = _torchrun(
-            str(SCRIPT), "--record", str(prefix), "--data", str(unequal_data),
-            "--loaders", SPLIT_LOADERS, timeout=400,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        names = ["ray-blocks", *(f"raydl-{mode}" for mode in MODES)]
-        runs.append({name: _records(Path(f"{prefix}-{name}")) for name in names})
-    return runs
+        records = {name: _records(Path(f"{folder}/run{run}-{name}")) for name in SPLIT_NAMES}
+        for name, per_rank in records.items():  # every epoch of every loader, on both ranks
+            for rank, epochs in per_rank.items():
+                assert [e.get("epoch") for e in epochs] == list(range(SPLIT_EPOCHS[name])), (
+                    run, name, rank, epochs[-1], output,
+                )  # fmt: skip
+        runs.append(records)
+    dead = Path(f"{folder}/run1-ray-blocks-dies.rank0")
+    lines = dead.read_text().splitlines() if dead.exists() else []
+    return SplitRuns(runs, seen, codes, lines, output)
 
 
 @pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
-def test_ray_data_split_is_exact_equal_and_reproducible(
-    split_runs: list[dict[str, dict[int, list[dict]]]],
-) -> None:
-    runs = [run["ray-blocks"] for run in split_runs]
+def test_ray_data_split_is_exact_equal_and_reproducible(split_runs: SplitRuns) -> None:
+    runs = [run["ray-blocks"] for run in split_runs.runs]
     first = runs[0]
     for epoch in range(2):
         per_rank = [first[rank][epoch] for rank in (0, 1)]
@@ -116,16 +190,14 @@ def test_ray_data_split_is_exact_equal_and_reproducible(
 
 
 @pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
-def test_direct_plans_run_on_raydls_actors_for_every_rank(
-    split_runs: list[dict[str, dict[int, list[dict]]]],
-) -> None:
+def test_direct_plans_run_on_raydls_actors_for_every_rank(split_runs: SplitRuns) -> None:
     """Every mode of a direct plan on the fast path under 2 ranks.
 
     A raydl read and a filter (its output size unknown in advance), in each mode:
     the global shuffle (rank 0's map phase, every rank reducing its share) and the
     streaming ones (rank 0 loads the runs and deals rows to the ranks).
     """
-    runs = [{mode: run[f"raydl-{mode}"] for mode in MODES} for run in split_runs]
+    runs = [{mode: run[f"raydl-{mode}"] for mode in MODES} for run in split_runs.runs]
     kept = [i for i in range(TOTAL_ROWS) if i % 10 != 7]
     for mode in MODES:
         first = runs[0][mode]
@@ -172,71 +244,30 @@ def test_ddp_example_with_distributed_sampler_matches_torch_shares(tmp_path: Pat
             assert records[rank][epoch]["ids"] == list(sampler), (epoch, rank)
 
 
-@pytest.mark.timeout(300)
-def test_dead_rank_makes_the_other_fail_clearly(unequal_data: Path, tmp_path: Path) -> None:
+@pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
+def test_dead_rank_makes_the_other_fail_clearly(split_runs: SplitRuns) -> None:
     """Rank 1 is SIGKILLed mid-epoch; rank 0 must end with an error, not hang.
 
-    Launched by hand (not torchrun, whose agent would SIGTERM rank 0 itself).
+    The last loader of ``split_runs``' second launch, which runs by hand (not under
+    torchrun, whose agent would SIGTERM rank 0 itself).
     """
-    port = _free_port()
-    prefix = tmp_path / "dead"
-    procs = []
-    for rank in (0, 1):
-        env = _env() | {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(SCRIPT),
-                    "--record",
-                    str(prefix),
-                    "--data",
-                    str(unequal_data),
-                    "--die-after",
-                    "5",
-                    "--timeout",
-                    "60",
-                    "--epochs",
-                    "1",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    start = time.monotonic()
-    try:
-        procs[0].wait(timeout=230)
-    finally:
-        for p in procs:
-            p.kill()
-    records = {
-        r: Path(f"{prefix}.rank{r}").read_text()
-        for r in (0, 1)
-        if Path(f"{prefix}.rank{r}").exists()
-    }
-    assert procs[1].returncode == -9, records
-    assert procs[0].returncode != 0
-    lines = Path(f"{prefix}.rank0").read_text().splitlines()
+    codes, lines = split_runs.dead_returncodes, split_runs.dead_lines
+    assert codes[1] == -9, (codes, split_runs.dead_output)
+    assert lines, split_runs.dead_output
+    assert codes[0] is not None, "rank 0 still ran 400 s after the launch: it hangs"
+    assert codes[0] != 0, split_runs.dead_output
     last = json.loads(lines[-1])
     assert "error" in last, lines
-    assert time.monotonic() - start < 230
+    assert last["after_s"] < 230
 
 
-@pytest.mark.timeout(300)
-def test_background_start_never_races_the_scripts_own_collectives(tmp_path: Path) -> None:
-    """The loader is built, then DDP and 50 all-reduces run at once: no deadlock, one cluster."""
-    record = tmp_path / "record"
-    proc = _torchrun(str(HERE / "_early_collectives.py"), str(record), timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    seen = {rank: json.loads(Path(f"{record}.rank{rank}").read_text()) for rank in (0, 1)}
+@pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
+def test_background_start_never_races_the_scripts_own_collectives(split_runs: SplitRuns) -> None:
+    """The loader is built, then DDP and 50 all-reduces run at once: no deadlock, one cluster.
+
+    The first thing ``split_runs``' torchrun launch does (``_early_collectives.py``).
+    """
+    seen = split_runs.early
     assert all(seen[rank]["started_in_background"] for rank in (0, 1))
     assert seen[0]["gcs_address"] == seen[1]["gcs_address"]  # rank 1 joined rank 0's cluster
     for epoch in range(2):
