@@ -96,7 +96,7 @@ def test_bad_arguments_are_named() -> None:
 
 @pytest.mark.timeout(30)
 def test_the_board_hands_each_rank_its_deals_once_and_drops_an_abandoned_starts() -> None:
-    from raydl._internal.epochs.exchange_ranks import Board
+    from raydl._internal.epochs.board import Board
 
     board = Board(world_size=3)  # the actor's class, called in this process
     assert board.dealt(0, 1, wait_s=0) is None  # nothing opened yet

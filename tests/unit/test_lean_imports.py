@@ -34,3 +34,15 @@ def test_every_public_name_resolves_and_is_listed() -> None:
     assert set(dir(raydl)) >= set(raydl.__all__)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         raydl.nope  # noqa: B018
+
+
+@pytest.mark.timeout(60)
+def test_the_boards_module_imports_neither_torch_nor_pyarrow_nor_numpy() -> None:
+    # The board's actor starts on the path to every rank's first batch under torchrun;
+    # its process imports only this module (importing torch took it ~1.7 s of CPU here).
+    code = (
+        "import sys, raydl._internal.epochs.board\n"
+        "heavy = [m for m in ('torch', 'pyarrow', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)

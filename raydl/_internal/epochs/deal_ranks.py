@@ -9,7 +9,7 @@ every rank, not through Ray Data's ``streaming_split``:
   deals each run's rows by the rule of ``deal.py`` (each rank's allowance is the
   rows loaded so far over the world size): the other ranks' deals, row ranges
   of runs with the runs' object references, go to the loader's
-  :class:`~raydl._internal.epochs.exchange_ranks.Board` (the actor that also
+  :class:`~raydl._internal.epochs.board.Board` (the actor that also
   carries the globally shuffled epochs); rank 0's own go to its cutter thread;
 * every other rank's producer thread
   (:class:`~raydl._internal.stream.deal_producers.DealtProducer`) fetches its

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from raydl._internal.epochs import deal_ranks
+from raydl._internal.epochs.board import start_board
 from raydl._internal.epochs.direct import DirectPlan
 from raydl._internal.epochs.elastic import batch_counts
 from raydl._internal.epochs.exchange import shares as exchange_shares
-from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase, start_board
+from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase
 from raydl._internal.epochs.overlap import NextEpoch
 from raydl._internal.epochs.plan import EpochPlan
 from raydl._internal.epochs.record import EpochRecord, EpochStart, RankPlan

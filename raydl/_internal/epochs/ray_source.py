@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from raydl._internal.epochs.board import stop_board
 from raydl._internal.epochs.direct import (
     WINDOW_BYTES,
     DirectPlan,
@@ -39,7 +40,6 @@ from raydl._internal.epochs.direct import (
     start_pool,
 )
 from raydl._internal.epochs.elastic import batch_counts
-from raydl._internal.epochs.exchange_ranks import stop_board
 from raydl._internal.epochs.overlap import NextEpoch
 from raydl._internal.epochs.plan import (
     STAGE_RETRIES,
