@@ -5,7 +5,9 @@ script's first loader starts it) and lists the Python programs its Ray runs. The
 autoscaler's ``monitor.py`` and the dashboard's head (``dashboard.py``) are not
 among them, and come back with ``RAYDL_LEAN_RAY=0``; a loader works on the lean
 instance (docs/design.md, "The cold path", Lean). A loader of a torch ``Dataset``
-never imports Ray Data into the training process (about 57 MB).
+never imports Ray Data into the training process (about 57 MB). Under torchrun's
+variables, the loader's actors run in the workers Ray prestarted while it started
+(none is left idle), and see those variables blanked: they are no rank.
 """
 
 from __future__ import annotations
@@ -31,7 +33,31 @@ print(json.dumps({"rows": rows, "programs": programs, "ray_data": "ray.data" in 
 """
 
 
-def _programs(*envs: dict[str, str]) -> list[dict[str, list]]:
+PROBE = """
+import json, os, psutil, torch, raydl
+
+class Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return i, os.environ.get("RANK", "unset")
+
+raydl.init(num_cpus=2)  # Ray prestarts one worker per CPU
+loader = raydl.RayDataLoader(Probe(), batch_size=8, num_workers=2, background_start=False)
+rows, ranks = [], set()
+for ids, seen in loader:
+    rows += ids.tolist()
+    ranks |= set(seen)
+titles = [p.name() for p in psutil.Process().children(recursive=True)]
+print(json.dumps({"rows": sorted(rows), "ranks": sorted(ranks), "titles": sorted(titles)}))
+"""
+
+#: What torchrun sets in a rank's environment (one rank).
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+
+
+def _programs(*envs: dict[str, str], script: str = SCRIPT) -> list[dict[str, list]]:
     """Per environment, what a fresh process saw; the processes run at once (their own Rays)."""
     with contextlib.ExitStack() as stack:
         procs = []
@@ -42,7 +68,7 @@ def _programs(*envs: dict[str, str]) -> list[dict[str, list]]:
             environ = {**os.environ, "RAY_TMPDIR": tmp, **env}
             environ.pop("RAY_ADDRESS", None)
             proc = subprocess.Popen(
-                [sys.executable, "-c", SCRIPT],
+                [sys.executable, "-c", script],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -69,3 +95,15 @@ def test_the_embedded_instance_runs_no_monitor_and_no_dashboard_head() -> None:
     assert lean["ray_data"] is False
     assert full["rows"] == list(range(40))
     assert {"monitor.py", "dashboard.py"} <= set(full["programs"])
+
+
+@pytest.mark.timeout(360)
+def test_under_torchrun_the_actors_take_the_prestarted_workers_and_are_no_rank() -> None:
+    plain, ranked = _programs({}, TORCHRUN, script=PROBE)
+    for seen in (plain, ranked):
+        assert seen["rows"] == list(range(40))
+        assert seen["titles"].count("ray::DatasetWorker") == 2, seen["titles"]
+        # Ray prestarted 2 workers (one per CPU); both became the loader's actors.
+        assert "ray::IDLE" not in seen["titles"], seen["titles"]
+    assert plain["ranks"] == ["unset"]
+    assert ranked["ranks"] == [""]  # blanked: torch.distributed in a worker finds no rank

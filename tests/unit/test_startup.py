@@ -150,7 +150,7 @@ def test_outside_torchrun_there_is_no_store(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_ray_workers_started_by_a_rank_are_not_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    # cluster.py blanks torchrun's variables in Ray's worker processes (runtime_env).
+    # cluster.py blanks torchrun's variables in Ray's worker processes (the raylet's environment).
     monkeypatch.setenv("RANK", "")
     monkeypatch.setenv("WORLD_SIZE", "")
     assert env.torchrun_world() is None

@@ -7,6 +7,9 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
 * ``ray._private.node.Node.start_monitor`` and ``Node.start_api_server``, which a
   head node calls to start the autoscaler's monitor and the dashboard's head
   process (:func:`lean_head`);
+* ``ray._private.services.start_raylet`` and its ``env_updates`` argument, the
+  environment the raylet, and so every worker process it starts, runs with
+  (:func:`raylet_env`);
 * the module ``ray.data._internal.progress``, whose logger announces that progress
   bars are off.
 """
@@ -19,9 +22,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["PROGRESS_LOGGER", "check", "lean_head", "reload_config"]
+__all__ = ["PROGRESS_LOGGER", "check", "lean_head", "raylet_env", "reload_config"]
 
-_lean_lock = threading.Lock()
+_patching = threading.RLock()  # one patch of Ray at a time (they nest)
 
 #: The logger Ray Data's progress reporting logs to.
 PROGRESS_LOGGER = "ray.data._internal.progress"
@@ -59,13 +62,42 @@ def lean_head() -> Iterator[None]:
     def no_api_server(self: Any, **_: Any) -> None:
         self._webui_url = None
 
-    with _lean_lock:
+    with _patching:
         saved = Node.start_monitor, Node.start_api_server
         Node.start_monitor, Node.start_api_server = no_monitor, no_api_server  # type: ignore[method-assign]
         try:
             yield
         finally:
             Node.start_monitor, Node.start_api_server = saved  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def raylet_env(updates: dict[str, str]) -> Iterator[None]:
+    """While in it, a raylet started in this process runs with ``updates`` in its environment.
+
+    Every worker process the raylet starts inherits them, the workers it prestarts
+    while Ray starts included. A job's ``runtime_env`` would give the workers the
+    same variables, but Ray then starts new processes for them and leaves the
+    prestarted ones idle (measured: two idle processes, and every actor a fresh
+    start, under torchrun). ``ray.init`` has no argument for it
+    (``RayParams.env_vars`` is not one of its arguments), so
+    ``ray._private.services.start_raylet`` is wrapped for the duration; this
+    process's own ``os.environ`` is not changed.
+    """
+    from ray._private import services
+
+    start = services.start_raylet
+
+    def start_with_env(*args: Any, **kwargs: Any) -> Any:
+        kwargs["env_updates"] = {**(kwargs.get("env_updates") or {}), **updates}
+        return start(*args, **kwargs)
+
+    with _patching:
+        services.start_raylet = start_with_env
+        try:
+            yield
+        finally:
+            services.start_raylet = start
 
 
 def check() -> None:
@@ -79,5 +111,11 @@ def check() -> None:
     for method in ("start_monitor", "start_api_server"):
         if not callable(getattr(Node, method, None)):
             raise AttributeError(f"ray._private.node.Node has no {method}()")
+    import inspect
+
+    from ray._private import services
+
+    if "env_updates" not in inspect.signature(services.start_raylet).parameters:
+        raise AttributeError("ray._private.services.start_raylet takes no env_updates")
     if importlib.util.find_spec(PROGRESS_LOGGER) is None:
         raise ModuleNotFoundError(f"Ray has no module {PROGRESS_LOGGER} (its logger is quieted)")

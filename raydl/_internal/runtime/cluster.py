@@ -13,9 +13,10 @@ not through a collective, so the start may run on a background thread while the
 script makes its own collectives (:mod:`raydl._internal.runtime.startup`). Ranks
 launched without torchrun's agent store fall back to a broadcast over the process
 group, on the trainer's thread at ``iter()``. Ray's worker processes see
-torchrun's variables as empty (the job's ``runtime_env``), so they do not believe
-they are rank 0; ``os.environ`` of the training process is never changed, as
-another thread of the script may read it meanwhile. Joiners give up on a
+torchrun's variables as empty (the raylet's environment, which they inherit: a
+job ``runtime_env`` would leave Ray's prestarted workers unused), so they do not
+believe they are rank 0; ``os.environ`` of the training process is never changed,
+as another thread of the script may read it meanwhile. Joiners give up on a
 vanished rank-0 cluster after a few seconds instead of Ray's 60.
 
 If the process that started the embedded instance is killed, a small watcher
@@ -149,12 +150,11 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
             reaper.start(os.getpid(), ray_dir, reaper.ray_children(os.getpid(), ray_dir))
             _on_a_lasting_thread(
                 functools.partial(
-                    _lean_init if env.lean_ray() else ray.init,
+                    _embedded_init,
                     address="local",  # a new instance, never another process's cluster
                     num_cpus=num_cpus,
                     include_dashboard=False,
                     dashboard_host="127.0.0.1",  # should any dashboard server start anyway
-                    runtime_env=_worker_env(),
                     **common,
                 )
             )
@@ -163,17 +163,21 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
             quiet_ray_data()
 
 
-def _lean_init(**kwargs: Any) -> Any:
-    """``ray.init`` of the embedded instance without the autoscaler monitor and dashboard head.
+def _embedded_init(**kwargs: Any) -> Any:
+    """``ray.init`` of the embedded instance: its workers see torchrun's variables blanked.
 
-    About 110 MB of memory and two Python start-ups less (docs/design.md, "Lean");
-    ``RAYDL_LEAN_RAY=0`` starts them as Ray does.
+    Lean (``RAYDL_LEAN_RAY=0`` turns it off): without the autoscaler monitor and
+    the dashboard head, about 110 MB of memory and two Python start-ups less
+    (docs/design.md, "Lean").
     """
     import ray
 
     from raydl._internal.ray_compat import cluster as ray_core
 
-    with ray_core.lean_head():
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(ray_core.raylet_env(_blanked_torchrun_vars()))
+        if env.lean_ray():
+            patches.enter_context(ray_core.lean_head())
         return ray.init(**kwargs)
 
 
@@ -234,10 +238,9 @@ def _without_warning(text: str) -> Iterator[None]:
             target.removeFilter(keep)
 
 
-def _worker_env() -> dict[str, Any] | None:
-    """The job's ``runtime_env``: torchrun's variables blanked in Ray's worker processes."""
-    present = [name for name in env.TORCHRUN_VARS if name in os.environ]
-    return {"env_vars": dict.fromkeys(present, "")} if present else None
+def _blanked_torchrun_vars() -> dict[str, str]:
+    """torchrun's variables present here, blanked: Ray's worker processes are no rank."""
+    return dict.fromkeys([name for name in env.TORCHRUN_VARS if name in os.environ], "")
 
 
 def quiet_ray_data() -> None:
