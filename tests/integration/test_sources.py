@@ -416,3 +416,24 @@ def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {"path": p, "bytes": bytes(b)} for p, b in zip(batch["path"], batch["bytes"], strict=True)
     ]
+
+
+@pytest.mark.timeout(120)
+def test_parquet_reads_use_pyarrows_threads_only_with_over_one_cpu() -> None:
+    import ray
+
+    from raydl._internal.io.parquet import decode_threads
+
+    @ray.remote
+    def threads() -> bool:
+        return decode_threads()
+
+    @ray.remote(num_cpus=0)
+    class Actor:
+        def threads(self) -> bool:
+            return decode_threads()
+
+    assert decode_threads() is True  # the driver: pyarrow's default
+    assert ray.get(threads.remote()) is False  # a read task: one CPU's work
+    assert ray.get(threads.options(num_cpus=2).remote()) is True
+    assert ray.get(Actor.remote().threads.remote()) is False  # raydl's direct-path actors
