@@ -58,6 +58,18 @@ def test_every_row_once_rows_keep_their_columns_and_the_order_is_seeded() -> Non
     assert np.array_equal(part["x"], part["id"] * 10)  # columns stay aligned
 
 
+@pytest.mark.parametrize("partitions", [3, 300])  # sorted as uint8 and as uint16
+def test_each_piece_holds_its_partitions_rows_in_the_runs_order(partitions: int) -> None:
+    exchange = Exchange(seed=5, partitions=partitions)
+    blocks = [{"id": np.arange(0, 700)}, {"id": np.arange(700, 2000)}]
+    counts, pieces = exchange.split(4, blocks)
+    parts = exchange.assign(4, 2000)
+    for p, piece in enumerate(pieces):
+        expected = np.flatnonzero(parts == p)  # the ids are the rows' places in the run
+        assert counts[p] == len(expected)
+        np.testing.assert_array_equal(piece["id"], expected)
+
+
 def test_the_order_is_a_uniform_permutation() -> None:
     # 4 rows in 2 runs, 3 partitions: every one of the 24 orders should be equally likely.
     runs = _runs([2, 2])
