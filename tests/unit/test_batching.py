@@ -190,3 +190,21 @@ def test_a_ragged_column_across_blocks_becomes_an_object_array_of_rows() -> None
         column.dtype == object and [r.shape for r in column] == [(3,)] * 2 + [(5,)] * 2 + [(3,)] * 2
     )
     assert batches[0]["id"].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_the_local_buffer_gives_mixed_blocks_the_dtype_and_shape_concatenation_gives() -> None:
+    # Ray Data turns an integer column with a null into float64 in that block only, strings
+    # differ in width from block to block, and a tensor column may change shape (ragged).
+    blocks = [
+        {"n": np.array([1, 2]), "s": np.array(["a", "b"]), "x": np.zeros((2, 3))},
+        {"n": np.array([np.nan, 4.0]), "s": np.array(["ccc", "dddd"]), "x": np.ones((2, 5))},
+    ]
+    (batch,) = shuffle_rebatch(blocks, batch_size=4, drop_last=False, buffer=2, seed=0)
+    (plain,) = rebatch(blocks, batch_size=4, drop_last=False)
+    order = np.argsort(np.nan_to_num(batch["n"], nan=3.0))  # rows back in block order
+    assert batch["n"].dtype == plain["n"].dtype == np.float64
+    np.testing.assert_array_equal(batch["n"][order], plain["n"])
+    assert batch["s"].dtype == plain["s"].dtype
+    assert batch["s"][order].tolist() == ["a", "b", "ccc", "dddd"]
+    assert batch["x"].dtype == object
+    assert [batch["x"][i].shape for i in order] == [(3,), (3,), (5,), (5,)]

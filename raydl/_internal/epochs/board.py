@@ -1,8 +1,9 @@
 """The board: one small Ray actor per loader through which rank 0 hands epochs to the other ranks.
 
 It carries a globally shuffled epoch's map phase (``exchange_ranks.py``) and a
-streaming epoch's deals (``deal_ranks.py``). Its process imports only this
-module (no torch, no pyarrow), so that it starts in a fraction of the time an
+streaming epoch's deals (``deal_ranks.py``). Its process starts with only this
+module (no torch, no pyarrow, no numpy; a global shuffle's first post brings numpy,
+with the exchange it unpickles), so that it starts in a fraction of the time an
 actor running the epoch's work takes: it is on the path to every rank's first
 batch.
 """

@@ -5,8 +5,9 @@ The board (``board.py``) also carries the streaming epochs' deals (``deal_ranks.
 Rank 0 runs the epoch's map phase on raydl's actors (``exchange.py``) and posts
 its result, the exchange and every partition's row count and pieces (object
 references), on a :class:`~raydl._internal.epochs.board.Board`: one small Ray
-actor per loader, created by rank 0. Every other rank fetches the result from the board; no rank talks to
-the actors but rank 0, and no collective runs off the trainer's thread.
+actor per loader, created by rank 0. Every other rank fetches the result from the
+board; no rank talks to the actors but rank 0, and no collective runs off the
+trainer's thread.
 
 Each rank then reduces its own rows of the epoch, in its own process: the
 epoch's rows are dealt as contiguous, equal shares (:func:`exchange.shares`),

@@ -454,10 +454,9 @@ def decode_threads() -> bool:
     """
     import ray
 
-    if not ray.is_initialized():  # (asking the runtime context would start Ray)
+    from raydl._internal.ray_compat.cluster import in_worker
+    from raydl._internal.runtime.cluster import is_connected
+
+    if not is_connected() or not in_worker():  # the trainer's process (or no Ray at all)
         return True
-    try:
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-    except AssertionError:  # a driver: Ray's context gives a worker's resources only
-        return True
-    return cpus > 1
+    return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)) > 1

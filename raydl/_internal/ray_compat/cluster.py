@@ -10,6 +10,8 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
 * ``ray._private.services.start_raylet`` and its ``env_updates`` argument, the
   environment the raylet, and so every worker process it starts, runs with
   (:func:`raylet_env`);
+* ``ray._private.worker.global_worker.mode`` and ``WORKER_MODE``: whether this
+  process is one of Ray's workers (:func:`in_worker`);
 * the module ``ray.data._internal.progress``, whose logger announces that progress
   bars are off.
 """
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["PROGRESS_LOGGER", "check", "lean_head", "raylet_env", "reload_config"]
+__all__ = ["PROGRESS_LOGGER", "check", "in_worker", "lean_head", "raylet_env", "reload_config"]
 
 _patching = threading.RLock()  # one patch of Ray at a time (they nest)
 
@@ -100,6 +103,17 @@ def raylet_env(updates: dict[str, str]) -> Iterator[None]:
             services.start_raylet = start
 
 
+def in_worker() -> bool:
+    """Whether this process is one of Ray's workers (a task's or an actor's), not a driver.
+
+    Ray's public ``get_runtime_context().get_assigned_resources()`` tells a worker's
+    resources, and only ``assert`` s that it is in one (gone under ``python -O``).
+    """
+    from ray._private import worker
+
+    return bool(worker.global_worker.mode == worker.WORKER_MODE)
+
+
 def check() -> None:
     """Fail if this Ray lacks the core internals used here (no cluster needed)."""
     from ray._raylet import Config  # type: ignore[attr-defined]
@@ -111,11 +125,11 @@ def check() -> None:
     for method in ("start_monitor", "start_api_server"):
         if not callable(getattr(Node, method, None)):
             raise AttributeError(f"ray._private.node.Node has no {method}()")
-    import inspect
-
-    from ray._private import services
+    from ray._private import services, worker
 
     if "env_updates" not in inspect.signature(services.start_raylet).parameters:
         raise AttributeError("ray._private.services.start_raylet takes no env_updates")
+    if not hasattr(worker, "WORKER_MODE") or not hasattr(worker.global_worker, "mode"):
+        raise AttributeError("ray._private.worker has no WORKER_MODE or global_worker.mode")
     if importlib.util.find_spec(PROGRESS_LOGGER) is None:
         raise ModuleNotFoundError(f"Ray has no module {PROGRESS_LOGGER} (its logger is quieted)")

@@ -112,18 +112,30 @@ class _Pool:
             block, offset = self._blocks[first], int(self._starts[first])
             return {name: column[rows - offset] for name, column in block.items()}
         local = rows - self._starts[which]
-        # Each block's places in the batch and rows in the block, found once for all columns.
-        groups = [(where, local[where]) for where in (np.flatnonzero(which == i) for i in used)]
+        blocks = [self._blocks[i] for i in used.tolist()]
+        groups: list[tuple[np.ndarray, np.ndarray]] | None = None  # per block: places, rows
         out: Batch = {}
-        for name, sample in self._blocks[int(used[0])].items():
-            column = np.empty((len(rows), *sample.shape[1:]), dtype=sample.dtype)
+        for name, sample in blocks[0].items():
+            if any(block[name].shape[1:] != sample.shape[1:] for block in blocks):
+                # A ragged column: an object array of rows, as rebatch's (_concat_column).
+                column = np.empty(len(rows), dtype=object)
+                for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
+                    column[i] = self._blocks[index][name][row]
+                out[name] = column
+                continue
+            # The dtype concatenating the blocks' columns gives (Ray Data turns an integer
+            # column with a null into float64 in that block only; strings differ in width).
+            dtype = np.result_type(*(block[name] for block in blocks))
+            column = np.empty((len(rows), *sample.shape[1:]), dtype=dtype)
             if sample.itemsize * math.prod(sample.shape[1:]) >= self.ROW_BY_ROW_BYTES:
                 # Large rows (images): each copied once, straight into its place.
                 for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
                     column[i] = self._blocks[index][name][row]
             else:
-                for index, (where, at) in zip(used.tolist(), groups, strict=True):
-                    column[where] = self._blocks[index][name][at]
+                if groups is None:  # found once for all columns
+                    groups = [(at, local[at]) for at in (np.flatnonzero(which == i) for i in used)]
+                for block, (where, at) in zip(blocks, groups, strict=True):
+                    column[where] = block[name][at]
             out[name] = column
         return out
 
