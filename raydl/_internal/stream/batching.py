@@ -116,19 +116,16 @@ class _Pool:
         groups: list[tuple[np.ndarray, np.ndarray]] | None = None  # per block: places, rows
         out: Batch = {}
         for name, sample in blocks[0].items():
-            if any(block[name].shape[1:] != sample.shape[1:] for block in blocks):
-                # A ragged column: an object array of rows, as rebatch's (_concat_column).
+            ragged = any(block[name].shape[1:] != sample.shape[1:] for block in blocks)
+            if ragged:  # an object array of rows, as rebatch's (_concat_column)
                 column = np.empty(len(rows), dtype=object)
-                for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
-                    column[i] = self._blocks[index][name][row]
-                out[name] = column
-                continue
-            # The dtype concatenating the blocks' columns gives (Ray Data turns an integer
-            # column with a null into float64 in that block only; strings differ in width).
-            dtype = np.result_type(*(block[name] for block in blocks))
-            column = np.empty((len(rows), *sample.shape[1:]), dtype=dtype)
-            if sample.itemsize * math.prod(sample.shape[1:]) >= self.ROW_BY_ROW_BYTES:
-                # Large rows (images): each copied once, straight into its place.
+            else:
+                # The dtype concatenating the blocks' columns gives (Ray Data turns an integer
+                # column with a null into float64 in that block only; strings differ in width).
+                dtype = np.result_type(*(block[name] for block in blocks))
+                column = np.empty((len(rows), *sample.shape[1:]), dtype=dtype)
+            if ragged or sample.itemsize * math.prod(sample.shape[1:]) >= self.ROW_BY_ROW_BYTES:
+                # Row by row; large rows (images) so are copied once, straight into place.
                 for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
                     column[i] = self._blocks[index][name][row]
             else:
