@@ -127,7 +127,7 @@ def test_shuffle_rebatch_gives_the_batches_of_the_copying_buffer_it_replaced(
     # Large rows are gathered one by one (row_by_row: every column here is taken that way).
     from raydl._internal.stream import batching
 
-    monkeypatch.setattr(batching._Pool, "ROW_BY_ROW_BYTES", 0 if row_by_row else 1 << 62)
+    monkeypatch.setattr(batching, "ROW_BY_ROW_BYTES", 0 if row_by_row else 1 << 62)
     rng = np.random.default_rng(0)
     for _ in range(200):
         blocks, start = [], 0

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from raydl._internal.epochs.exchange import Exchange, concat, shares
-from raydl._internal.stream.batching import rebatch
+from raydl._internal.epochs.exchange import Exchange, shares
+from raydl._internal.stream.batching import concat, rebatch
 from raydl._internal.stream.dispatch import ResultTimeout
 from raydl._internal.stream.epoch_iterator import EpochIterator
 from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions, slices
@@ -203,3 +203,24 @@ def test_the_fingerprint_follows_the_order_of_batches_and_of_rows() -> None:
     assert run([(torch.zeros(2, 3, 4, 4), 1)]) != run([(torch.zeros(2, 3, 4, 5), 1)])  # shapes
     nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
     assert run([nested]) == run([nested])  # nested tensors have no shape: counted by kind
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, None), (1, 3)])  # most rows / a few of them
+def test_a_reduce_gives_mixed_pieces_the_dtype_and_shape_concatenation_gives(
+    start: int, stop: int | None
+) -> None:
+    # Pieces of different runs differ as blocks do: an integer column with a null is float64
+    # in that run only, strings differ in width, a tensor column may change shape (ragged).
+    pieces = [
+        {"n": np.array([0, 1, 2]), "s": np.array(["a", "b", "c"]), "x": np.zeros((3, 2))},
+        {"n": np.array([np.nan, 4.0]), "s": np.array(["dddd", "e"]), "x": np.ones((2, 5))},
+    ]
+    exchange = Exchange(seed=3, partitions=1)
+    part = exchange.reduce(0, pieces, start, stop)
+    order = exchange.permutation(0, 5)[start:stop]
+    whole = concat(pieces)
+    assert part["n"].dtype == np.float64
+    np.testing.assert_array_equal(part["n"], whole["n"][order])
+    assert part["s"].dtype == whole["s"].dtype and part["s"].tolist() == whole["s"][order].tolist()
+    assert part["x"].dtype == object
+    assert [row.shape for row in part["x"]] == [(2,) if i < 3 else (5,) for i in order]

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raydl._internal.epochs.deal import deal
-from raydl._internal.epochs.exchange import Exchange, concat, partition_count
+from raydl._internal.epochs.exchange import Exchange, partition_count
 from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
-from raydl._internal.stream.batching import Batch, row_count
+from raydl._internal.stream.batching import Batch, concat, row_count
 from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, SplitCalls
 from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.pool import WorkerPool

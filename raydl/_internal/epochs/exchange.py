@@ -11,7 +11,7 @@ of the epoch lands at a place drawn from (seed, epoch) over the whole dataset:
   partition, one object per partition, plus the count per partition; the objects
   stay in Ray's object store, owned by the trainer's process;
 * **reduce phase**: partition ``p``'s pieces (one per run, in run order) are
-  concatenated on an actor and permuted by a generator seeded from the epoch's
+  concatenated in the trainer's process and permuted by a generator seeded from the epoch's
   seed and ``p``; the epoch is partition 0, then 1, ..., cut into batches.
 
 Each row picks its partition uniformly and independently, and each partition is
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raydl._internal.stream.batching import Batch, row_count
+from raydl._internal.stream.batching import Batch, concat, gather, row_count
 
 _ASSIGN = 0
 _PERMUTE = 1
@@ -93,41 +93,15 @@ class Exchange:
         """Rows ``start:stop`` of partition ``part`` in the epoch's order.
 
         ``pieces``: the partition's piece of every run, in run order. The rows are
-        gathered from the pieces straight into the result (one copy, no concatenation
-        first); each column takes the dtype the pieces' columns would concatenate to.
+        gathered from the pieces (``batching.gather``: the pieces concatenated, then one
+        fancy index per column); each column takes the dtype concatenation gives.
         """
         pieces = [piece for piece in pieces if row_count(piece)]
         sizes = [row_count(piece) for piece in pieces]
         order = self.permutation(part, sum(sizes))[start:stop]
         if not pieces:
             return {}
-        if len(pieces) == 1:
-            return {name: column[order] for name, column in pieces[0].items()}
-        offsets = np.cumsum([0, *sizes])
-        source = np.searchsorted(offsets, order, side="right") - 1  # which piece, per row
-        local = order - offsets[source]  # where in it
-        picks = [
-            (dest, local[dest])
-            for dest in (np.flatnonzero(source == j) for j in range(len(pieces)))
-        ]
-        out: Batch = {}
-        for name, first in pieces[0].items():
-            columns = [piece[name] for piece in pieces]
-            column = np.empty((len(order), *first.shape[1:]), dtype=np.result_type(*columns))
-            for (dest, rows), values in zip(picks, columns, strict=True):
-                column[dest] = values[rows]
-            out[name] = column
-        return out
-
-
-def concat(blocks: Sequence[Batch]) -> Batch:
-    """``blocks`` as one batch (the first block's columns; empty blocks count too)."""
-    blocks = [block for block in blocks if block]
-    if not blocks:
-        return {}
-    if len(blocks) == 1:
-        return blocks[0]
-    return {name: np.concatenate([block[name] for block in blocks]) for name in blocks[0]}
+        return gather(pieces, np.cumsum([0, *sizes]), order)
 
 
 def shares(total: int, world_size: int) -> list[tuple[int, int]]:

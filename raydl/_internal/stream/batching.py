@@ -33,10 +33,18 @@ def row_count(batch: Batch) -> int:
     return 0
 
 
-def _concat(pieces: list[Batch]) -> Batch:
-    if len(pieces) == 1:
-        return pieces[0]
-    return {name: _concat_column([p[name] for p in pieces]) for name in pieces[0]}
+def concat(blocks: Iterable[Batch]) -> Batch:
+    """``blocks`` as one batch (blocks without columns left out; zero-row blocks count).
+
+    Each column takes the dtype concatenation gives; a ragged one becomes an object
+    array of rows (:func:`_concat_column`). One block is returned as it is.
+    """
+    blocks = [block for block in blocks if block]
+    if not blocks:
+        return {}
+    if len(blocks) == 1:
+        return blocks[0]
+    return {name: _concat_column([block[name] for block in blocks]) for name in blocks[0]}
 
 
 def _concat_column(parts: list[np.ndarray]) -> np.ndarray:
@@ -72,7 +80,7 @@ def rebatch(blocks: Iterable[Batch], batch_size: int, drop_last: bool) -> Iterat
                 pending.append(block)
                 held += rows
                 continue
-            yield _concat([*pending, _cut(block, 0, need)])
+            yield concat([*pending, _cut(block, 0, need)])
             pending, held, start = [], 0, need
         while rows - start >= batch_size:
             yield _cut(block, start, start + batch_size)
@@ -80,7 +88,69 @@ def rebatch(blocks: Iterable[Batch], batch_size: int, drop_last: bool) -> Iterat
         if start < rows:
             pending, held = [_cut(block, start, rows)], rows - start
     if held and not drop_last:
-        yield _concat(pending)
+        yield concat(pending)
+
+
+#: Rows at least this large are gathered one by one: a per-block fancy index would
+#: copy them twice (into a temporary, then into the batch).
+ROW_BY_ROW_BYTES = 16 << 10
+
+
+def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
+    """Rows ``rows`` of ``blocks`` gathered into one batch, in that order.
+
+    ``starts``: the index of each block's first row in the blocks' concatenation, then
+    the total (``rows`` index that concatenation). Each column takes the dtype
+    concatenating the blocks' columns gives (Ray Data turns an integer column with a
+    null into float64 in that block only; strings differ in width), a ragged column
+    becomes an object array of rows, as :func:`concat`'s.
+
+    Small rows are gathered with one fancy index per column: from the blocks
+    concatenated when ``rows`` takes at least half of their rows (an exchange's reduce:
+    three numpy calls, not two per block), else block by block (the local buffer: a
+    batch out of a larger pool). Large rows (images) are copied one by one, straight
+    into place (a fancy index would copy them twice).
+    """
+    if len(blocks) == 1:
+        return {name: column[rows] for name, column in blocks[0].items()}
+    whole = 2 * len(rows) >= int(starts[-1])
+    where: tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None = None
+    out: Batch = {}
+    for name, sample in blocks[0].items():
+        columns = [block[name] for block in blocks]
+        ragged = any(column.shape[1:] != sample.shape[1:] for column in columns)
+        large = sample.itemsize * math.prod(sample.shape[1:]) >= ROW_BY_ROW_BYTES
+        if whole and not (ragged or large):
+            out[name] = np.concatenate(columns)[rows]
+            continue
+        if where is None:  # found once for all columns: each row's block and place in it
+            which = np.searchsorted(starts, rows, side="right") - 1
+            groups = [np.flatnonzero(which == i) for i in range(len(blocks))]
+            where = which, rows - starts[which], groups
+        which, local, groups = where
+        if ragged:
+            column = np.empty(len(rows), dtype=object)
+        else:
+            column = np.empty((len(rows), *sample.shape[1:]), dtype=np.result_type(*columns))
+        if ragged or large:
+            for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
+                column[i] = columns[index][row]
+        else:
+            for values, at in zip(columns, groups, strict=True):
+                if len(at):
+                    column[at] = values[local[at]]
+        out[name] = column
+    return out
+
+
+def _renumbered(
+    starts: np.ndarray, used: np.ndarray, which: np.ndarray, rows: np.ndarray
+) -> np.ndarray:
+    """``rows`` (of blocks ``which``) as indices into the concatenation of blocks ``used`` only."""
+    sizes = starts[used + 1] - starts[used]
+    shift = np.zeros(len(starts) - 1, dtype=np.int64)
+    shift[used] = starts[used] - (np.cumsum(sizes) - sizes)
+    return rows - shift[which]
 
 
 class _Pool:
@@ -105,40 +175,7 @@ class _Pool:
 
     def take(self, rows: np.ndarray) -> Batch:
         """The held rows ``rows`` (global indices) gathered into one batch."""
-        which = np.searchsorted(self._starts, rows, side="right") - 1
-        used = np.flatnonzero(np.bincount(which, minlength=len(self._blocks)))
-        if len(used) <= 1:
-            first = int(used[0]) if len(used) else 0
-            block, offset = self._blocks[first], int(self._starts[first])
-            return {name: column[rows - offset] for name, column in block.items()}
-        local = rows - self._starts[which]
-        blocks = [self._blocks[i] for i in used.tolist()]
-        groups: list[tuple[np.ndarray, np.ndarray]] | None = None  # per block: places, rows
-        out: Batch = {}
-        for name, sample in blocks[0].items():
-            ragged = any(block[name].shape[1:] != sample.shape[1:] for block in blocks)
-            if ragged:  # an object array of rows, as rebatch's (_concat_column)
-                column = np.empty(len(rows), dtype=object)
-            else:
-                # The dtype concatenating the blocks' columns gives (Ray Data turns an integer
-                # column with a null into float64 in that block only; strings differ in width).
-                dtype = np.result_type(*(block[name] for block in blocks))
-                column = np.empty((len(rows), *sample.shape[1:]), dtype=dtype)
-            if ragged or sample.itemsize * math.prod(sample.shape[1:]) >= self.ROW_BY_ROW_BYTES:
-                # Row by row; large rows (images) so are copied once, straight into place.
-                for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
-                    column[i] = self._blocks[index][name][row]
-            else:
-                if groups is None:  # found once for all columns
-                    groups = [(at, local[at]) for at in (np.flatnonzero(which == i) for i in used)]
-                for block, (where, at) in zip(blocks, groups, strict=True):
-                    column[where] = block[name][at]
-            out[name] = column
-        return out
-
-    #: Rows at least this large are gathered one by one: a per-block fancy index
-    #: would copy them twice (into a temporary, then into the batch).
-    ROW_BY_ROW_BYTES = 16 << 10
+        return gather(self._blocks, self._starts, rows)
 
     #: The held rows may keep at most this many times their number of block rows alive;
     #: beyond, they are gathered into one block (a row lingers for many rounds, and one
@@ -163,10 +200,8 @@ class _Pool:
             return
         if len(used) == len(self._blocks):
             return
+        self.rows = _renumbered(self._starts, used, which, rows)
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        shift = np.zeros(len(self._blocks), dtype=np.int64)
-        shift[used] = self._starts[used] - starts[:-1]
-        self.rows = rows - shift[which]
         self._blocks = [self._blocks[i] for i in used]
         self._starts = starts
 
