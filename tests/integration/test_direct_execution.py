@@ -327,9 +327,14 @@ def test_the_global_shuffle_runs_on_raydls_actors_a_new_uniform_order_each_epoch
     # Not a file order plus a buffer: the first batch is drawn from the whole epoch.
     spread = [max(ids[:8]) - min(ids[:8]) for ids in epochs]
     assert min(spread) > FILES // 4, spread
+    # Once an epoch told how large the map output is, the map phase replies with whole runs
+    # (one object per run, not per run and partition): the order does not change with it.
+    layouts = ["whole runs" in str(e["ray_data"]) for e in loader.stats()["epochs"]]
+    assert layouts == [False, True, True], loader.stats()["epochs"]
     again = _global(folder)
     again.set_epoch(1)
     assert _epoch(again)[0] == epochs[1]  # a pure function of (seed, epoch)
+    assert "whole runs" not in _summary(again)
     for each in (loader, again):
         each.close()
 

@@ -98,23 +98,45 @@ def test_slices_and_shares_cover_the_epoch_exactly() -> None:
     assert shares(3, 4) == [(0, 0)] * 4
 
 
-class _PiecesAreRefs:
-    """``Calls`` whose references are the pieces themselves (``get`` gives them back)."""
+class _Store:
+    """``Calls`` whose references are keys of a dict of objects (``get`` looks them up)."""
 
-    def __init__(self, slow_first: int = 0) -> None:
-        self.slow = slow_first
+    def __init__(self, objects: dict[Any, Any], slow_first: int = 0) -> None:
+        self.objects, self.slow, self.got = objects, slow_first, Counter[Any]()
 
-    def get(self, ref: Any, timeout: float) -> Any:
+    def get(self, refs: list[Any], timeout: float) -> Any:
         if self.slow:
             self.slow -= 1
             raise ResultTimeout
-        return ref
+        self.got.update(refs)
+        return [self.objects[ref] for ref in refs]
 
     def submit(self, actor: Any, method: str, *args: Any) -> Any:
         raise AssertionError("the producer sends nothing")
 
     def wait(self, refs: Any, timeout: float) -> list[Any]:
         raise AssertionError("the producer waits for nothing")
+
+
+def _partitions(
+    exchange: Exchange,
+    runs: list[list[dict[str, np.ndarray]]],
+    objects: dict[Any, Any],
+    *,
+    whole: bool,
+) -> Partitions:
+    """The map phase's result, its objects in ``objects`` (keys: run, or run and partition)."""
+    partitions = Partitions.empty(exchange.partitions)
+    for run, blocks in enumerate(runs):
+        if whole:
+            counts, objects[run] = exchange.group(run, blocks)
+            refs: list[Any] = [run]
+        else:
+            counts, pieces = exchange.split(run, blocks)
+            objects.update(((run, part), piece) for part, piece in enumerate(pieces))
+            refs = [(run, part) for part in range(exchange.partitions)]
+        partitions.add(counts, refs, whole=whole, nbytes=0)
+    return partitions
 
 
 def _producer(
@@ -124,13 +146,14 @@ def _producer(
     rows: Any = lambda total: (0, total),
     asked: list[str] | None = None,
     batch_size: int = 10,
+    whole: bool = False,
+    calls: _Store | None = None,
 ) -> ExchangeProducer:
-    split = [exchange.split(i, blocks) for i, blocks in enumerate(runs)]
+    calls = calls or _Store({}, slow_first=2)
 
     def phase(between: Any) -> Partitions:
         between()  # the producer's stop check, callable while the phase waits
-        counts = [sum(c[p] for c, _ in split) for p in range(exchange.partitions)]
-        return Partitions(counts, [[pieces[p] for _, pieces in split] for p in range(len(counts))])
+        return _partitions(exchange, runs, calls.objects, whole=whole)
 
     def start_next() -> bool:
         if asked is not None:
@@ -147,27 +170,35 @@ def _producer(
         start_next=start_next,
         description="test",
         name="raydl-test-exchange",
-        calls=_PiecesAreRefs(slow_first=2),
+        calls=calls,
     )
 
 
-def test_the_producer_delivers_the_epoch_cut_into_batches_and_starts_the_next_once() -> None:
+@pytest.mark.parametrize("whole", [False, True])  # one object per partition / per run
+def test_the_producer_delivers_the_epoch_cut_into_batches_and_starts_the_next_once(
+    whole: bool,
+) -> None:
     runs = _runs([40, 25, 35])
     exchange = Exchange(seed=3, partitions=5)
     asked: list[str] = []
-    batches = list(EpochIterator(_producer(runs, exchange, asked=asked), epoch=0))
+    calls = _Store({}, slow_first=2)
+    producer = _producer(runs, exchange, asked=asked, whole=whole, calls=calls)
+    batches = list(EpochIterator(producer, epoch=0))
     assert [i for b in batches for i in b] == _epoch(exchange, runs).tolist()
     assert [len(b) for b in batches] == [10] * 10
     assert asked == ["raydl-test-exchange"]  # once, on its own thread, after the map phase
+    # Every object fetched once: a whole run is kept for the partitions after the first.
+    assert sorted(calls.got) == sorted(calls.objects) and set(calls.got.values()) == {1}
 
 
-def test_a_share_and_a_resume_offset_deliver_exactly_those_rows() -> None:
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_share_and_a_resume_offset_deliver_exactly_those_rows(whole: bool) -> None:
     runs = _runs([40, 25, 35])
     exchange = Exchange(seed=3, partitions=5)
-    whole = _epoch(exchange, runs).tolist()
-    mine = _producer(runs, exchange, rows=lambda total: (37, 77))  # rank 1's share, say
-    assert [i for b in EpochIterator(mine, epoch=0) for i in b] == whole[37:77]
-    assert shares(len(whole), 2)[1] == (50, 100)
+    everything = _epoch(exchange, runs).tolist()
+    mine = _producer(runs, exchange, rows=lambda total: (37, 77), whole=whole)  # rank 1's share
+    assert [i for b in EpochIterator(mine, epoch=0) for i in b] == everything[37:77]
+    assert shares(len(everything), 2)[1] == (50, 100)
 
 
 def test_closing_during_the_epoch_stops_the_thread() -> None:

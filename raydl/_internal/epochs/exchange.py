@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,28 +65,34 @@ class Exchange:
         """The order of partition ``part``'s ``rows`` rows (its pieces concatenated in run order)."""
         return np.random.default_rng([self.seed, _PERMUTE, part]).permutation(rows)
 
-    def split(self, run: int, blocks: Sequence[Batch]) -> tuple[list[int], list[Batch]]:
-        """Run ``run``'s rows (its loaded blocks) grouped by output partition.
+    def group(self, run: int, blocks: Sequence[Batch]) -> tuple[list[int], Batch]:
+        """Run ``run``'s rows (its loaded blocks) sorted by output partition.
 
         Returns:
-            The row count of each partition's piece, and the pieces (views of one
-            copy of the run's rows, sorted by partition; row order within a piece is
-            the run's).
+            The row count of each partition, and one copy of the run's rows with
+            partition 0's first, then partition 1's, ... (within a partition, in the
+            run's order).
         """
         rows = concat(blocks)
-        n = row_count(rows)
-        parts = self.assign(run, n)
+        parts = self.assign(run, row_count(rows))
         # The same stable order, sorted as the narrowest integer that holds a partition:
         # numpy radix-sorts 8- and 16-bit integers (a run of 312k rows: 9.3 -> 2.5 ms).
         order = np.argsort(parts.astype(np.min_scalar_type(self.partitions - 1)), kind="stable")
         counts = np.bincount(parts, minlength=self.partitions)
-        grouped = {name: column[order] for name, column in rows.items()}
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        pieces = [
-            {name: column[bounds[p] : bounds[p + 1]] for name, column in grouped.items()}
-            for p in range(self.partitions)
+        return [int(c) for c in counts], {name: column[order] for name, column in rows.items()}
+
+    def split(self, run: int, blocks: Sequence[Batch]) -> tuple[list[int], list[Batch]]:
+        """Run ``run``'s rows grouped by output partition: one piece per partition.
+
+        Returns:
+            The row count of each partition's piece, and the pieces (views of
+            :meth:`group`'s copy; row order within a piece is the run's).
+        """
+        counts, grouped = self.group(run, blocks)
+        return counts, [
+            {name: column[lo:hi] for name, column in grouped.items()}
+            for lo, hi in piece_bounds(counts)
         ]
-        return [int(c) for c in counts], pieces
 
     def reduce(
         self, part: int, pieces: Sequence[Batch], start: int = 0, stop: int | None = None
@@ -102,6 +109,29 @@ class Exchange:
         if not pieces:
             return {}
         return gather(pieces, np.cumsum([0, *sizes]), order)
+
+
+class Piece(NamedTuple):
+    """Rows ``start:stop`` of the Ray object ``ref``: one run's rows of one partition.
+
+    Here, not with the producer: the ranks' board (``board.py``), which imports no
+    torch, unpickles pieces.
+    """
+
+    ref: Any
+    start: int
+    stop: int
+
+
+def piece_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Where each partition's rows lie in a run grouped by :meth:`Exchange.group`.
+
+    Example:
+        >>> piece_bounds([2, 0, 3])
+        [(0, 2), (2, 2), (2, 5)]
+    """
+    ends = np.cumsum(counts).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def shares(total: int, world_size: int) -> list[tuple[int, int]]:

@@ -88,6 +88,9 @@ class RaySource(RankEpochs):
         self._board: Any = None  # several ranks, direct epochs: rank 0's board (its actor)
         self._mode: str | None = None  # several ranks: the last epoch's direct mode, if any
         self._dealing: EpochStart | None = None  # rank 0: its dealt epoch, until it is taken
+        # One rank: the last global shuffle's map output in bytes, written by its producer's
+        # thread (a hint for the next epoch's layout, _whole_runs; it changes no order).
+        self._exchange_bytes: int | None = None
 
     # -- what the loader asks -----------------------------------------------------------
 
@@ -318,14 +321,22 @@ class RaySource(RankEpochs):
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
             exchange = direct.exchange
+            whole = self._whole_runs()
+
+            def phase(between: Callable[[], None]) -> Partitions:
+                partitions = map_phase(pool, work, direct, between, whole=whole)
+                self._exchange_bytes = partitions.nbytes
+                return partitions
+
             return self._exchange_producer(
-                lambda between: map_phase(pool, work, direct, between),
+                phase,
                 exchange.reduce,
                 epoch=epoch,
                 skip=skip,
                 start_next=start_next,
                 description=(
-                    f"{names} -> global shuffle ({exchange.partitions} partitions) "
+                    f"{names} -> global shuffle ({exchange.partitions} partitions"
+                    f"{', whole runs' if whole else ''}) "
                     f"on {len(pool)} raydl actors ({len(files)} files)"
                 ),
             )
@@ -344,6 +355,23 @@ class RaySource(RankEpochs):
             describe=lambda request: describe_run(request[1].paths),
             description=f"{names} on {len(pool)} raydl actors ({len(files)} files)",
             name=f"raydl-epoch-{epoch}-direct",
+        )
+
+    #: A global shuffle's map phase replies with one object per run (``map_phase``'s
+    #: ``whole``) when the previous epoch's map output took at most this share of the
+    #: object store: that layout holds the whole epoch until its last partition is
+    #: reduced, with the next epoch's map phase beside it.
+    WHOLE_RUNS_STORE_SHARE = 0.25
+
+    def _whole_runs(self) -> bool:
+        """Whether this epoch's map phase replies with whole runs (see ``map_phase``).
+
+        Epoch 0 (and the first epoch after a resume) does not: nothing tells yet how
+        large the stages' output is (a decode may make it many times the files).
+        """
+        last = self._exchange_bytes
+        return (
+            last is not None and last <= self.WHOLE_RUNS_STORE_SHARE * cluster.object_store_bytes()
         )
 
     def _exchange_producer(

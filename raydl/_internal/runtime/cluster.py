@@ -269,6 +269,13 @@ def cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
+def object_store_bytes() -> int:
+    """The object store memory of the cluster this process is connected to, in bytes."""
+    import ray
+
+    return int(ray.cluster_resources().get("object_store_memory", 0))
+
+
 def shutdown() -> None:
     """Stop the embedded Ray instance if raydl started it; leave user-managed clusters alone."""
     global _started_by_raydl

@@ -18,10 +18,12 @@ gather per row, both memory copies.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from raydl._internal.epochs.exchange import Piece, piece_bounds
 from raydl._internal.stream.batching import Batch, row_count
 from raydl._internal.stream.dispatch import Calls, RayCalls, ResultTimeout
 from raydl._internal.stream.epoch_iterator import Producer
@@ -34,14 +36,32 @@ class Partitions:
 
     Attributes:
         counts: Rows of each output partition.
-        pieces: Per partition, its piece of every run (Ray object references, in run
-            order); an entry is dropped (``None``) once taken, so its memory goes.
+        pieces: Per partition, its non-empty piece of each run (a slice of a Ray
+            object, in run order); an entry is dropped (``None``) once taken, so its
+            memory can go.
+        nbytes: The map phase's output, in bytes (``map_phase``'s ``whole`` rule).
     """
 
     counts: list[int]
-    pieces: list[list[Any] | None]
+    pieces: list[list[Piece] | None]
+    nbytes: int = 0
 
-    def take(self, part: int) -> list[Any]:
+    @classmethod
+    def empty(cls, partitions: int) -> Partitions:
+        """No run yet, ``partitions`` partitions."""
+        return cls([0] * partitions, [[] for _ in range(partitions)])
+
+    def add(self, counts: Sequence[int], refs: Sequence[Any], *, whole: bool, nbytes: int) -> None:
+        """The next run's map output (runs come in order): its row count per partition, and
+        its objects (``whole``: one, its rows sorted by partition; else one per partition)."""
+        self.nbytes += nbytes
+        for part, (lo, hi) in enumerate(piece_bounds(counts)):
+            self.counts[part] += hi - lo
+            pieces = self.pieces[part]
+            if hi > lo and pieces is not None:  # an empty piece is never fetched
+                pieces.append(Piece(refs[0], lo, hi) if whole else Piece(refs[part], 0, hi - lo))
+
+    def take(self, part: int) -> list[Piece]:
         """Partition ``part``'s pieces, forgotten here."""
         pieces = self.pieces[part]
         assert pieces is not None, f"partition {part} was taken twice"
@@ -147,18 +167,34 @@ class ExchangeProducer(Producer):
             self._start_next = None
 
     def _blocks(self, partitions: Partitions, start: int, stop: int) -> Iterator[Batch]:
-        for piece in slices(partitions.counts, start, stop):
-            refs = partitions.take(piece.part)
-            block = self._reduce(piece.part, self._get(refs), piece.start, piece.stop)
-            del refs  # the pieces' objects go before the block's batches are handed over
+        wanted = slices(partitions.counts, start, stop)
+        # An object several partitions slice (a whole run) is fetched once and kept
+        # until its last partition here is reduced.
+        uses = Counter(p.ref for s in wanted for p in partitions.pieces[s.part] or [])
+        fetched: dict[Any, Batch] = {}
+        for piece in wanted:
+            pieces = partitions.take(piece.part)
+            block = self._reduce(piece.part, self._get(pieces, fetched), piece.start, piece.stop)
+            for ref in (p.ref for p in pieces):
+                uses[ref] -= 1
+                if not uses[ref]:
+                    del fetched[ref]  # its memory goes before the block's batches are handed over
+            del pieces
             self.partitions += 1
             self._ask_next()
             if row_count(block):
                 yield block
 
-    def _get(self, refs: list[Any]) -> list[Batch]:
-        while True:
+    def _get(self, pieces: list[Piece], fetched: dict[Any, Batch]) -> list[Batch]:
+        """The pieces' rows (views), fetching the objects not in ``fetched`` (and adding them)."""
+        missing = list(dict.fromkeys(p.ref for p in pieces if p.ref not in fetched))
+        while missing:
             try:
-                return list(self._calls.get(refs, SLICE_S))
+                fetched.update(zip(missing, self._calls.get(missing, SLICE_S), strict=True))
+                break
             except ResultTimeout:
                 self._check_stop()
+        return [
+            {name: column[p.start : p.stop] for name, column in fetched[p.ref].items()}
+            for p in pieces
+        ]
