@@ -215,6 +215,9 @@ def test_direct_plans_run_on_raydls_actors_for_every_rank(split_runs: SplitRuns)
             assert set(ids) <= set(kept) and len(kept) - 1 <= len(ids), mode
             if mode == "none":  # rows dealt in file order, no buffer: each rank's ascend
                 assert all(per_rank[r]["ids"] == sorted(per_rank[r]["ids"]) for r in (0, 1))
+        if mode == "global":  # after epoch 0 told the map output's size: whole runs
+            layouts = ["whole runs" in first[0][epoch]["summary"] for epoch in range(3)]
+            assert layouts == [False, True, True], [e["summary"] for e in first[0]]
         orders = {tuple(first[0][epoch]["ids"]) for epoch in range(3)}
         assert len(orders) == (1 if mode == "none" else 3), mode  # a new order per epoch
         assert _orders(runs[0][mode]) == _orders(runs[1][mode]), mode  # the same on a rerun

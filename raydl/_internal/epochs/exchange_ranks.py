@@ -26,9 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from raydl._internal.epochs.direct import DirectPlan, map_phase
 from raydl._internal.epochs.exchange import Exchange
-from raydl._internal.stream.dispatch import Pool
 from raydl._internal.stream.exchange_producer import Partitions
 from raydl.errors import RayDLError
 
@@ -37,18 +35,22 @@ FETCH_WAIT_S = 0.2
 
 
 class RankZeroPhase:
-    """Rank 0's map phase of ``epoch``: run on the actors, then posted on the board."""
+    """Rank 0's map phase of ``epoch``: ``phase`` runs it on the actors, then it is posted on the board."""
 
-    def __init__(self, pool: Pool, work: Any, plan: DirectPlan, board: Any, epoch: int) -> None:
-        self._pool, self._work, self._direct = pool, work, plan
+    def __init__(
+        self,
+        phase: Callable[[Callable[[], None]], Partitions],
+        exchange: Exchange,
+        board: Any,
+        epoch: int,
+    ) -> None:
+        self._phase, self.exchange = phase, exchange
         self._board, self._epoch = board, epoch
-        assert plan.exchange is not None
-        self.exchange: Exchange = plan.exchange
 
     def __call__(self, between: Callable[[], None]) -> Partitions:
         import ray
 
-        partitions = map_phase(self._pool, self._work, self._direct, between)
+        partitions = self._phase(between)
         # Awaited, so that no rank can ask for the epoch before it is there to wait for.
         ref = self._board.post.remote(
             self._epoch, self.exchange, partitions.counts, list(partitions.pieces)

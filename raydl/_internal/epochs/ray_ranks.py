@@ -76,6 +76,9 @@ class RankEpochs:
         def _epoch_plan(self, epoch: int, *, shuffle: bool | None = None) -> EpochPlan: ...
         def _pool_for(self, direct: DirectPlan, plan: EpochPlan) -> WorkerPool: ...
         def _next_starter(self, epoch: int) -> Callable[[], bool] | None: ...
+        def _map_phase(
+            self, pool: WorkerPool, work: Any, direct: DirectPlan
+        ) -> tuple[Callable[[Callable[[], None]], Partitions], bool]: ...
         def _length_or_none(self, epoch: int) -> int | None: ...
         def _cut(self, buffer: int | None, seed: int | None) -> Callable[[Any], Any]: ...
         def _exchange_producer(
@@ -298,11 +301,12 @@ class RankEpochs:
                 raise RuntimeError(f"epoch {epoch} is not a global shuffle on raydl's actors")
             pool = self._pool_for(direct, plan)
             work = ray.put(direct.work(plan.dataset.context))
-            phase = RankZeroPhase(pool, work, direct, board, epoch)
+            run_phase, whole = self._map_phase(pool, work, direct)
+            phase = RankZeroPhase(run_phase, direct.exchange, board, epoch)
             description = (
                 f"{' -> '.join(direct.names)} -> global shuffle "
-                f"({direct.exchange.partitions} partitions) on {len(pool)} raydl actors, "
-                f"rank 0 of {world.world_size}"
+                f"({direct.exchange.partitions} partitions{', whole runs' if whole else ''}) "
+                f"on {len(pool)} raydl actors, rank 0 of {world.world_size}"
             )
         else:
             phase = BoardPhase(board, epoch, world.rank)

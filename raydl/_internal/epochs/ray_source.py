@@ -321,13 +321,7 @@ class RaySource(RankEpochs):
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
             exchange = direct.exchange
-            whole = self._whole_runs()
-
-            def phase(between: Callable[[], None]) -> Partitions:
-                partitions = map_phase(pool, work, direct, between, whole=whole)
-                self._exchange_bytes = partitions.nbytes
-                return partitions
-
+            phase, whole = self._map_phase(pool, work, direct)
             return self._exchange_producer(
                 phase,
                 exchange.reduce,
@@ -363,15 +357,33 @@ class RaySource(RankEpochs):
     #: reduced, with the next epoch's map phase beside it.
     WHOLE_RUNS_STORE_SHARE = 0.25
 
+    def _map_phase(
+        self, pool: WorkerPool, work: Any, direct: DirectPlan
+    ) -> tuple[Callable[[Callable[[], None]], Partitions], bool]:
+        """The epoch's map phase on ``pool``'s actors (``map_phase``), and whether it replies
+        with whole runs (:meth:`_whole_runs`); the phase notes the size of its output."""
+        whole = self._whole_runs()
+
+        def phase(between: Callable[[], None]) -> Partitions:
+            partitions = map_phase(pool, work, direct, between, whole=whole)
+            self._exchange_bytes = partitions.nbytes
+            return partitions
+
+        return phase, whole
+
     def _whole_runs(self) -> bool:
         """Whether this epoch's map phase replies with whole runs (see ``map_phase``).
 
-        Epoch 0 (and the first epoch after a resume) does not: nothing tells yet how
-        large the stages' output is (a decode may make it many times the files).
+        Only once an epoch told how large the stages' output is (not epoch 0, nor the
+        first epoch after a resume: a decode may make it many times the files), and
+        only on a one-node cluster: every rank slices every run, so on several nodes
+        each node would pull the whole epoch instead of its ranks' partitions.
         """
         last = self._exchange_bytes
         return (
-            last is not None and last <= self.WHOLE_RUNS_STORE_SHARE * cluster.object_store_bytes()
+            last is not None
+            and last <= self.WHOLE_RUNS_STORE_SHARE * cluster.object_store_bytes()
+            and (not self._world.is_distributed or cluster.nodes() == 1)
         )
 
     def _exchange_producer(

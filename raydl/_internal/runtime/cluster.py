@@ -276,6 +276,13 @@ def object_store_bytes() -> int:
     return int(ray.cluster_resources().get("object_store_memory", 0))
 
 
+def nodes() -> int:
+    """The live nodes of the cluster this process is connected to."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
 def shutdown() -> None:
     """Stop the embedded Ray instance if raydl started it; leave user-managed clusters alone."""
     global _started_by_raydl
