@@ -1,12 +1,14 @@
 """The producer of a globally shuffled direct epoch: a map phase, then local reduces.
 
 The epoch's rows were grouped by output partition on raydl's actors (the map
-phase, ``epochs/exchange.py``), their pieces left in Ray's object store. The
-producer's thread waits for that phase (``map_phase``: run it on the actors, or,
-on a rank other than 0, fetch rank 0's result), then takes this consumer's rows
-of the epoch (``rows``), partition by partition: it gets the partition's pieces
-(zero-copy for numeric columns on the same node), reduces them (``reduce``:
-concatenate and permute), cuts batches, converts them and hands them over.
+phase, ``epochs/exchange.py``), left in Ray's object store: one object per run and
+partition, or one per run that the partitions slice (``Piece``). The producer's
+thread waits for that phase (``map_phase``: run it on the actors, or, on a rank
+other than 0, fetch rank 0's result), then takes this consumer's rows of the epoch
+(``rows``), partition by partition: it gets the partition's pieces (zero-copy for
+numeric columns on the same node; an object several partitions slice is fetched
+once and kept until the last of them), reduces them (``reduce``: concatenate and
+permute), cuts batches, converts them and hands them over.
 
 The reduce runs here rather than on an actor so that it never queues behind the
 next epoch's map phase, which starts on the actors as soon as this epoch's map
