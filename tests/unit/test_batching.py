@@ -119,15 +119,17 @@ def _copying_shuffle_rebatch(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("row_by_row", [False, True])
+@pytest.mark.parametrize("path", ["indices", "row_by_row", "small_rows"])
 def test_shuffle_rebatch_gives_the_batches_of_the_copying_buffer_it_replaced(
-    row_by_row: bool, monkeypatch: pytest.MonkeyPatch
+    path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The pool holds indices, not gathered copies; states saved before must resume the same.
-    # Large rows are gathered one by one (row_by_row: every column here is taken that way).
+    # Large rows are gathered one by one (row_by_row: every column here is taken that way);
+    # small ones once per round, its batches slices of that copy (small_rows).
     from raydl._internal.stream import batching
 
-    monkeypatch.setattr(batching, "ROW_BY_ROW_BYTES", 0 if row_by_row else 1 << 62)
+    monkeypatch.setattr(batching, "ROW_BY_ROW_BYTES", 0 if path == "row_by_row" else 1 << 62)
+    monkeypatch.setattr(batching, "SMALL_ROW_BYTES", 1 << 62 if path == "small_rows" else -1)
     rng = np.random.default_rng(0)
     for _ in range(200):
         blocks, start = [], 0
@@ -137,7 +139,10 @@ def test_shuffle_rebatch_gives_the_batches_of_the_copying_buffer_it_replaced(
                 {
                     "id": np.arange(start, start + n),
                     "x": rng.random((n, 2, 3)).astype(np.float32),
-                    "s": np.array([f"r{i}" for i in range(start, start + n)], dtype=object),
+                    "s": np.array(
+                        [f"r{i}" for i in range(start, start + n)],
+                        dtype=object if path != "small_rows" else "U8",
+                    ),
                 }
             )
             start += n
@@ -171,6 +176,7 @@ def test_shuffle_rebatch_copies_rows_rarely_and_holds_few_blocks(
 
     blocks = [{"id": np.arange(i * 32, (i + 1) * 32)} for i in range(200)]
     monkeypatch.setattr(batching._Pool, "take", counting)
+    monkeypatch.setattr(batching, "SMALL_ROW_BYTES", -1)  # the rows that are not gathered per round
     ids = [i for b in shuffle_rebatch(iter(blocks), 16, False, 64, 1) for i in b["id"]]
     assert sorted(ids) == list(range(6400))
     # Into its batch, and sometimes into a compacted block (the copying buffer: 3-4 times).
