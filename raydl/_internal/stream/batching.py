@@ -114,7 +114,7 @@ def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
     if len(blocks) == 1:
         return {name: column[rows] for name, column in blocks[0].items()}
     whole = 2 * len(rows) >= int(starts[-1])
-    where: tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None = None
+    where: tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]] | None = None
     out: Batch = {}
     for name, sample in blocks[0].items():
         columns = [block[name] for block in blocks]
@@ -125,8 +125,8 @@ def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
             continue
         if where is None:  # found once for all columns: each row's block and place in it
             which = np.searchsorted(starts, rows, side="right") - 1
-            groups = [np.flatnonzero(which == i) for i in range(len(blocks))]
-            where = which, rows - starts[which], groups
+            used = np.flatnonzero(np.bincount(which, minlength=len(blocks))).tolist()
+            where = which, rows - starts[which], [(i, np.flatnonzero(which == i)) for i in used]
         which, local, groups = where
         if ragged:
             column = np.empty(len(rows), dtype=object)
@@ -135,10 +135,9 @@ def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
         if ragged or large:
             for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
                 column[i] = columns[index][row]
-        else:
-            for values, at in zip(columns, groups, strict=True):
-                if len(at):
-                    column[at] = values[local[at]]
+        else:  # block by block, the blocks the rows come from only
+            for i, at in groups:
+                column[at] = columns[i][local[at]]
         out[name] = column
     return out
 
