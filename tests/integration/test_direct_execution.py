@@ -340,6 +340,22 @@ def test_the_global_shuffle_runs_on_raydls_actors_a_new_uniform_order_each_epoch
 
 
 @pytest.mark.timeout(120)
+def test_an_epoch_large_for_the_object_store_keeps_one_object_per_partition(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whole runs hold the epoch until its last partition: only for an output that was at most
+    # a quarter of the store. Here every output is "large" (a store of 4 bytes, say).
+    from raydl._internal.runtime import cluster
+
+    monkeypatch.setattr(cluster, "object_store_bytes", lambda: 4)
+    loader = _global(folder)
+    for _ in range(2):
+        assert sorted(_epoch(loader)[0]) == list(range(FILES))
+    assert not any("whole runs" in str(e["ray_data"]) for e in loader.stats()["epochs"])
+    loader.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_resumed_global_epoch_delivers_exactly_the_rest(folder: Path) -> None:
     uninterrupted = _global(folder)
     whole = _epoch(uninterrupted)[0]
