@@ -7,12 +7,14 @@ of the epoch lands at a place drawn from (seed, epoch) over the whole dataset:
 * **map phase**: an actor loads one run (read and stages, as in the streaming
   mode) and draws, for each of the run's rows, one of :attr:`Exchange.partitions`
   output partitions, independently and uniformly (a generator seeded from the
-  epoch's seed and the run's index). It returns the run's rows grouped by
-  partition, one object per partition, plus the count per partition; the objects
-  stay in Ray's object store, owned by the trainer's process;
+  epoch's seed and the run's index). It returns the run's rows sorted by
+  partition, as one object per partition or as one object the partitions slice
+  (:class:`Piece`), plus the count per partition; the objects stay in Ray's
+  object store, owned by the trainer's process;
 * **reduce phase**: partition ``p``'s pieces (one per run, in run order) are
-  concatenated in the trainer's process and permuted by a generator seeded from the epoch's
-  seed and ``p``; the epoch is partition 0, then 1, ..., cut into batches.
+  concatenated in the trainer's process and permuted by a generator seeded from
+  the epoch's seed and ``p``; the epoch is partition 0, then 1, ..., cut into
+  batches.
 
 Each row picks its partition uniformly and independently, and each partition is
 permuted uniformly, so for every vector of partition sizes every ordering of the

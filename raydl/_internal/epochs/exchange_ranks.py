@@ -35,7 +35,7 @@ FETCH_WAIT_S = 0.2
 
 
 class RankZeroPhase:
-    """Rank 0's map phase of ``epoch``: ``phase`` runs it on the actors, then it is posted on the board."""
+    """Rank 0's map phase of ``epoch``: ``phase`` runs it on the actors, then the board gets it."""
 
     def __init__(
         self,

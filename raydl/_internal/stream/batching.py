@@ -154,9 +154,9 @@ def _renumbered(
 
 #: Rows of at most this many bytes (all columns) are shuffled by the local buffer with one
 #: gather of the held rows per round, its batches then being slices of it: a few numpy
-#: calls per round instead of two per block and column per batch (tabular rows, 92 bytes,
-#: 354k rows in blocks of 1,500: 137 -> 78 ms; of 17,000: 90 -> 42 ms). A row is copied once per
-#: round it stays for, which larger rows would feel.
+#: calls per round instead of two per block and column per batch (tabular rows, 92 bytes:
+#: 354k rows in blocks of 1,500 137 -> 78 ms, in blocks of 17,000 90 -> 42 ms). A row is
+#: copied once per round it stays for, which larger rows would feel.
 SMALL_ROW_BYTES = 1 << 10
 
 
@@ -181,7 +181,7 @@ class _Pool:
         self.rows = np.concatenate([self.rows, np.arange(end, end + count, dtype=np.int64)])
 
     def small_rows(self) -> bool:
-        """Whether the held rows are small (:data:`SMALL_ROW_BYTES` in all), of one shape in every block."""
+        """Whether the rows are small (:data:`SMALL_ROW_BYTES`) and of one shape in every block."""
         first = self._blocks[0]
         if any(column.dtype == object for column in first.values()):
             return False

@@ -17,8 +17,9 @@ to :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` o
 free heap is kept for the next allocation rather than returned. The cost is that
 an actor's resident memory stays near its high-water mark between batches
 (docs/design.md, "What an actor's process does differently from a torch
-worker's"). It applies to raydl's actors only, never to the training process. ``RAYDL_KEEP_FREED_MEMORY=0`` leaves glibc's defaults; on other
-C libraries (musl, macOS) nothing changes.
+worker's"). It applies to raydl's actors only, never to the training process.
+``RAYDL_KEEP_FREED_MEMORY=0`` leaves glibc's defaults; on other C libraries (musl,
+macOS) nothing changes.
 """
 
 from __future__ import annotations
