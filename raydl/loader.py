@@ -60,15 +60,12 @@ class RayDataLoader(Iterable[Any]):
       needs ``num_workers > 0``). Ignored for ``ray.data.Dataset`` sources, whose
       parallelism is set per stage (``map_batches(num_cpus=..., concurrency=...)``).
       ``"auto"`` (map-style only): grown while the trainer waits, within ``cpu_budget``.
-    * ``persistent_workers``: keep the actors (and their dataset state) between
-      epochs; otherwise they are created at ``iter()`` and killed when the epoch
-      ends, like torch's worker processes.
+    * ``persistent_workers``: keep the actors (and their dataset state) between epochs;
+      otherwise they start at ``iter()`` and stop when the epoch ends, as torch's processes.
     * ``prefetch_factor``: batches in flight per actor (default 2), or batches
       buffered ahead for ``ray.data.Dataset`` sources; ``"auto"``: tuned as ``num_workers``.
-    * ``multiprocessing_context``: checked as torch checks it, then unused: there
-      are no subprocesses.
-    * ``timeout``: seconds to wait for any one batch before raising
-      ``LoaderTimeoutError`` (a ``RuntimeError``, torch's wording).
+    * ``multiprocessing_context``: checked as torch checks it, then unused (no subprocesses).
+    * ``timeout``: seconds to wait for a batch, then ``LoaderTimeoutError`` (torch's words).
     * ``ray.data.Dataset`` sources yield ``dict[str, Tensor]`` batches;
       ``collate_fn`` then receives Ray Data's ``dict[str, numpy.ndarray]`` batch.
 
@@ -98,6 +95,7 @@ class RayDataLoader(Iterable[Any]):
         worker_options: See :class:`LoaderOptions`.
         overlap_epochs: See :class:`LoaderOptions`.
         direct_execution: See :class:`LoaderOptions`.
+        start_in_process: See :class:`LoaderOptions`.
         progress_bar: See :class:`LoaderOptions`.
         log_stats: See :class:`LoaderOptions`.
         device: See :class:`LoaderOptions`.
@@ -150,6 +148,7 @@ class RayDataLoader(Iterable[Any]):
         worker_options: Mapping[str, Any] | None = None,
         overlap_epochs: bool = True,
         direct_execution: bool = True,
+        start_in_process: bool = True,
         progress_bar: bool = False,
         log_stats: bool = False,
         device: str | torch.device | int | None = None,
@@ -180,6 +179,7 @@ class RayDataLoader(Iterable[Any]):
             worker_options=dict(worker_options or {}),
             overlap_epochs=overlap_epochs,
             direct_execution=direct_execution,
+            start_in_process=start_in_process,
             progress_bar=progress_bar,
             log_stats=log_stats,
             device=device,

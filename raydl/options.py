@@ -50,6 +50,16 @@ class LoaderOptions:
             scheduling of those executions left a quarter of the machine idle
             during small-image epochs). Other plans run on Ray Data either way;
             ``False`` always uses Ray Data.
+        start_in_process: For plans on raydl's actors (``direct_execution``):
+            while the actors of the loader's first epoch start (their processes
+            and imports take seconds on a small machine), load its first runs of
+            files in the training process, so the first batch does not wait for
+            them. The batches are the same either way (a run is a pure function of
+            its files). Those runs' stage functions run in the training process,
+            as a torch dataset does with ``num_workers=0``: one that kills its
+            process (``os._exit``, a segfault in a decoder) takes the trainer with
+            it there, where an actor would be replaced. ``False``: every run on
+            the actors.
         progress_bar: Show a tqdm progress bar for each epoch (batches).
         log_stats: Log a one-line summary of each epoch when it ends (the
             ``raydl`` logger, INFO): batches, samples, samples/s, wait and stall.
@@ -82,6 +92,7 @@ class LoaderOptions:
     worker_options: Mapping[str, Any] = field(default_factory=dict)
     overlap_epochs: bool = True
     direct_execution: bool = True
+    start_in_process: bool = True
     progress_bar: bool = False
     log_stats: bool = False
     device: str | torch.device | int | None = None
@@ -128,6 +139,7 @@ class LoaderOptions:
         for name in (
             "overlap_epochs",
             "direct_execution",
+            "start_in_process",
             "progress_bar",
             "log_stats",
             "background_start",

@@ -95,6 +95,34 @@ def test_a_file_read_and_its_functions_run_on_the_loaders_own_actors(folder: Pat
 
 
 @pytest.mark.timeout(120)
+def test_a_new_loaders_first_runs_load_in_this_process_and_give_the_same_batches(
+    folder: Path,
+) -> None:
+    """While its actors start, a loader's first epoch loads its first runs in the trainer."""
+
+    def loader(**options: Any) -> RayDataLoader:
+        return RayDataLoader(
+            _dataset(folder), batch_size=8, shuffle=True, shuffle_mode="files", seed=11,
+            local_shuffle_buffer_size=24, **options,
+        )  # fmt: skip
+
+    first = loader()
+    ids, pids = _epoch(first)
+    assert sorted(ids) == list(range(FILES))
+    assert os.getpid() in pids  # its first runs (here 120 tiny files: maybe all of them)
+    assert "runs loaded in the training process while they started" in _summary(first)
+    first.set_epoch(0)  # the same epoch again, all on the (now started) actors
+    again, again_pids = _epoch(first)
+    assert again == ids and os.getpid() not in again_pids
+    assert "training process" not in _summary(first)
+    first.close()
+    off = loader(start_in_process=False)
+    off_ids, off_pids = _epoch(off)
+    assert off_ids == ids and os.getpid() not in off_pids
+    off.close()
+
+
+@pytest.mark.timeout(120)
 def test_without_a_buffer_the_batches_are_ray_datas(folder: Path) -> None:
     def batches(direct: bool) -> list[list[int]]:
         loader = RayDataLoader(_dataset(folder), batch_size=7, direct_execution=direct)
@@ -170,7 +198,10 @@ def test_a_killed_actor_is_replaced_and_its_runs_loaded_once(folder: Path, tmp_p
     marker = tmp_path / "killed"
     die_once = _dies_once_at_file_50(marker)
     ds = raydl.read_binary_files(str(folder)).map_batches(die_once, batch_size=4)
-    loader = RayDataLoader(ds, batch_size=6, shuffle=True, shuffle_mode="files")
+    # Every run on the actors: a run loaded in this process would take pytest down with it.
+    loader = RayDataLoader(
+        ds, batch_size=6, shuffle=True, shuffle_mode="files", start_in_process=False
+    )
     ids, _ = _epoch(loader)
     assert marker.exists(), "the actor was never killed"
     assert sorted(ids) == list(range(FILES))

@@ -514,3 +514,90 @@ def test_a_ray_epoch_closed_early_asks_for_nothing_more() -> None:
     assert next(iterator) == [0, 1, 2, 3]
     iterator.close()
     assert asked == [] and source.stats_calls == 0
+
+
+class RunCalls(FakeCalls):
+    """Actors that load a run ``("run", i)`` as one block of rows ``i*10 .. i*10+9``.
+
+    A warm-up (``"warm"``) answers after ``start_s`` (the actor's process and imports).
+    """
+
+    def __init__(self, start_s: float) -> None:
+        super().__init__()
+        self.start_s = start_s
+
+    def submit(self, actor: FakeActor, method: str, *args: Any) -> FakeRef:
+        ref = super().submit(actor, method, *args)
+        ref.ready_at = time.monotonic() + (self.start_s if args[0] == "warm" else 0.0)
+        return ref
+
+    def get(self, ref: FakeRef, timeout: float) -> Any:
+        super().get(ref, timeout)
+        return [] if ref.arg == "warm" else _run_blocks(ref.arg)
+
+
+def _run_blocks(request: tuple[str, int]) -> list[dict[str, np.ndarray]]:
+    return [{"x": np.arange(request[1] * 10, request[1] * 10 + 10)}]
+
+
+def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
+    from raydl._internal.stream.batching import cut_batches
+    from raydl._internal.stream.pool_producers import DirectProducer
+
+    producer = DirectProducer(
+        FakePool(2),
+        [("run", i) for i in range(8)],
+        window=4,
+        prefetch=2,
+        cut=lambda blocks: cut_batches(blocks, batch_size=7, drop_last=False, buffer=30, seed=5),
+        collate=lambda batch: batch["x"].tolist(),
+        skip=0,
+        start_next=None,
+        window_bytes=1 << 30,
+        size_of=lambda blocks: sum(b["x"].nbytes for b in blocks),
+        describe=repr,
+        description="runs",
+        name="test-direct",
+        calls=calls,
+        local=local,
+        warm_up="warm",
+    )
+    return list(EpochIterator(producer, epoch=0)), producer
+
+
+def test_a_pools_first_runs_load_here_while_its_actors_start_with_the_same_batches() -> None:
+    """The batches (local buffer included) are those of an epoch loaded on the actors alone."""
+    on_actors, _ = _direct_epoch(RunCalls(start_s=0.0), local=None)
+    here: list[Any] = []
+
+    def local(request: tuple[str, int]) -> list[dict[str, np.ndarray]]:
+        here.append(request)
+        time.sleep(0.05)
+        return _run_blocks(request)
+
+    calls = RunCalls(start_s=0.12)
+    bridged, producer = _direct_epoch(calls, local=local)
+    assert bridged == on_actors
+    assert sorted(x for batch in bridged for x in batch) == list(range(80))
+    assert here and here == [("run", i) for i in range(len(here))]  # the first runs, in order
+    assert len(here) < 8 and producer.loaded_here == len(here)
+    sent = [arg for _, arg in calls.submitted]
+    assert sent[:2] == ["warm", "warm"]  # every actor's warm-up first, then the other runs
+    assert sent[2:] == [("run", i) for i in range(len(here), 8)]
+    assert f"{len(here)} runs loaded in the training process" in (producer.summary() or "")
+
+
+def test_when_the_actors_start_slower_than_the_epoch_it_all_loads_here() -> None:
+    here: list[Any] = []
+
+    def local(request: tuple[str, int]) -> list[dict[str, np.ndarray]]:
+        here.append(request)
+        return _run_blocks(request)
+
+    calls = RunCalls(start_s=5.0)
+    batches, producer = _direct_epoch(calls, local=local)
+    assert sorted(x for batch in batches for x in batch) == list(range(80))
+    assert len(here) == producer.loaded_here == 8 and [arg for _, arg in calls.submitted] == [
+        "warm",
+        "warm",
+    ]

@@ -377,10 +377,35 @@ class RunLoader:
         try:
             return work.run(task)
         except Exception:
-            stages = " -> ".join(stage.name for stage in work.stages) or "the read"
-            where = f"in {stages} on a raydl actor, {describe_run(task.paths)}"
-            wrapper = RemoteError(where=where)
-            return work.failed(task, wrapper)
+            return work.failed(task, RemoteError(where=_where(work, "on a raydl actor", task)))
+
+
+def _where(work: EpochWork, place: str, task: Task) -> str:
+    """Where a run's loading raised: the stages, the process, the run's files."""
+    stages = " -> ".join(stage.name for stage in work.stages) or "the read"
+    return f"in {stages} {place}, {describe_run(task.paths)}"
+
+
+#: A request that loads no file: an actor's first one resolves the epoch's work (and
+#: imports what it needs), so its reply says the actor is ready for runs.
+WARM_UP = LoadRun(())
+
+
+def load_here(work: EpochWork, request: tuple[Any, LoadRun]) -> list[dict[str, np.ndarray]]:
+    """A streaming request's run loaded in this process, as an actor loads it.
+
+    For the first runs of a pool's first epoch, while its actors start
+    (:class:`~raydl._internal.stream.pool_producers.DirectProducer`): a run is a pure
+    function of its files, so the blocks are those an actor gives (the same code
+    :class:`LocalRuns` relies on for elastic resume). An error names the stages and
+    the files as an actor's does, and says it was raised here.
+    """
+    _, task = request
+    try:
+        return work.load(task.paths, own_context=False)
+    except Exception:
+        where = _where(work, "in the training process (while raydl's actors started)", task)
+        RemoteError(where=where).reraise()
 
 
 def map_phase(

@@ -30,11 +30,13 @@ from typing import Any
 
 from raydl._internal.epochs.board import stop_board
 from raydl._internal.epochs.direct import (
+    WARM_UP,
     WINDOW_BYTES,
     DirectPlan,
     LoadRun,
     describe_run,
     direct_plan,
+    load_here,
     loaded_bytes,
     map_phase,
     start_pool,
@@ -314,10 +316,13 @@ class RaySource(RankEpochs):
         import ray
 
         settings = self._settings
+        # Its actors start now: its first runs load here meanwhile (DirectProducer's local).
+        fresh = self._direct_pool is None and settings.options.start_in_process
         pool = self._pool_for(direct, plan)
         files = direct.source.files
         collate = settings.collate_fn or numpy_batch_to_tensors
-        work = ray.put(direct.work(plan.dataset.context))
+        here = direct.work(plan.dataset.context)
+        work = ray.put(here)
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
             exchange = direct.exchange
@@ -349,6 +354,8 @@ class RaySource(RankEpochs):
             describe=lambda request: describe_run(request[1].paths),
             description=f"{names} on {len(pool)} raydl actors ({len(files)} files)",
             name=f"raydl-epoch-{epoch}-direct",
+            local=functools.partial(load_here, here) if fresh else None,
+            warm_up=([work], WARM_UP),
         )
 
     #: A global shuffle's map phase replies with one object per run (``map_phase``'s

@@ -28,7 +28,14 @@ from typing import Any
 
 from raydl._internal.stream.autotune import AutoTuner
 from raydl._internal.stream.batching import skip_consumed
-from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, RayCalls, get_sliced
+from raydl._internal.stream.dispatch import (
+    Calls,
+    Dispatcher,
+    Pool,
+    RayCalls,
+    ResultTimeout,
+    get_sliced,
+)
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, ItemError, Stopped
 from raydl._internal.stream.in_process import LengthWatch
@@ -363,6 +370,14 @@ class DirectProducer(_PoolProducer):
     A run's blocks were loaded for this epoch alone, so they are *owned*
     (:func:`~raydl._internal.workers.convert.owned_blocks`): the batches cut from
     them reach ``collate`` writable, over the object store's memory, not copied.
+
+    With ``local`` (a pool's first epoch), the first runs are loaded in this process
+    by ``local(request)`` while the actors start: ``warm_up`` goes to every actor at
+    once, and runs go to the actors from the first run after all of them answered
+    (or failed: their runs then meet the failure as usual). A run is a pure function
+    of its files, so the epoch's blocks, and its batches, are the same either way;
+    only its first batch comes sooner (an actor's first reply waits for its process
+    and imports, seconds on a small machine).
     """
 
     def __init__(
@@ -382,8 +397,14 @@ class DirectProducer(_PoolProducer):
         description: str,
         name: str,
         calls: Calls | None = None,
+        local: Callable[[Any], list[Any]] | None = None,
+        warm_up: Any = None,
     ) -> None:
         super().__init__(None)
+        self._pool = pool
+        self._calls = calls or RayCalls()
+        self._local = local
+        self._warm_up = warm_up
         self._window_bytes = window_bytes
         self._size_of = size_of
         self._runs = runs
@@ -394,19 +415,18 @@ class DirectProducer(_PoolProducer):
         self._start_next = start_next
         self._description = description
         self._dispatch = Dispatcher(
-            pool,
-            calls or RayCalls(),
-            method="fetch",
-            describe=describe,
-            between=self._check_stop,
+            pool, self._calls, method="fetch", describe=describe, between=self._check_stop
         )
         self.blocks = 0  # blocks received so far (for the epoch's summary)
+        self.loaded_here = 0  # runs loaded by ``local`` while the actors started
         self._largest = 0  # bytes of the largest loaded run so far
         self.handoff = Handoff(maxsize=max(1, prefetch))
         self.handoff.start(self._loop, name=name)
 
     def summary(self) -> str | None:
-        return f"{self._description}: {self.blocks} blocks"
+        here = self.loaded_here
+        started = f", {here} runs loaded in the training process while they started" if here else ""
+        return f"{self._description}: {self.blocks} blocks{started}"
 
     def _loop(self) -> None:
         for batch in skip_consumed(self._cut(self._blocks()), self._skip):
@@ -414,6 +434,8 @@ class DirectProducer(_PoolProducer):
 
     def _blocks(self) -> Iterator[Any]:
         runs = iter(self._runs)
+        if self._local is not None:
+            yield from self._while_the_actors_start(runs)
         sent_all = False
         window = self._window
         while True:
@@ -428,3 +450,31 @@ class DirectProducer(_PoolProducer):
             self._largest = max(self._largest, self._size_of(blocks))
             window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
             yield from blocks
+
+    def _while_the_actors_start(self, runs: Iterator[Any]) -> Iterator[Any]:
+        """The first of ``runs``, loaded here until every actor answered its warm-up."""
+        assert self._local is not None
+        starting = [self._calls.submit(a, "fetch", self._warm_up) for a in self._pool.actors]
+        while True:
+            starting = [ref for ref in starting if not self._answered(ref)]
+            if not starting:
+                return
+            request = next(runs, None)
+            if request is None:
+                return
+            self._check_stop()
+            blocks = self._local(request)
+            self.loaded_here += 1
+            self.blocks += len(blocks)
+            self._largest = max(self._largest, self._size_of(blocks))
+            yield from blocks
+
+    def _answered(self, ref: Any) -> bool:
+        """Whether a warm-up has its reply (a failure counts: the runs meet it on their own)."""
+        try:
+            self._calls.get(ref, 0.0)
+        except ResultTimeout:
+            return False
+        except Exception:  # a dead actor, a failed start: the Dispatcher's to handle
+            return True
+        return True
