@@ -542,7 +542,7 @@ def _run_blocks(request: tuple[str, int]) -> list[dict[str, np.ndarray]]:
 
 def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
     from raydl._internal.stream.batching import cut_batches
-    from raydl._internal.stream.pool_producers import DirectProducer
+    from raydl._internal.stream.pool_producers import ActorStart, DirectProducer
 
     producer = DirectProducer(
         FakePool(2),
@@ -560,7 +560,7 @@ def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
         name="test-direct",
         calls=calls,
         local=local,
-        warm_up="warm",
+        start=ActorStart("warm") if local is not None else None,
     )
     return list(EpochIterator(producer, epoch=0)), producer
 
@@ -601,3 +601,13 @@ def test_when_the_actors_start_slower_than_the_epoch_it_all_loads_here() -> None
         "warm",
         "warm",
     ]
+
+
+def test_epochs_that_share_a_pool_send_its_warm_ups_once() -> None:
+    from raydl._internal.stream.pool_producers import ActorStart
+
+    start, calls, pool = ActorStart("warm"), RunCalls(start_s=0.2), FakePool(2)
+    assert start.starting(pool, calls) and start.starting(pool, calls)  # never waits
+    time.sleep(0.25)
+    assert not start.starting(pool, calls)
+    assert [arg for _, arg in calls.submitted] == ["warm", "warm"]

@@ -60,7 +60,7 @@ from raydl._internal.runtime.world import World
 from raydl._internal.stream.batching import cut_batches
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
-from raydl._internal.stream.pool_producers import DirectProducer
+from raydl._internal.stream.pool_producers import ActorStart, DirectProducer
 from raydl._internal.stream.ray_producer import RayDataProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
 from raydl._internal.workers.pool import WorkerPool
@@ -86,6 +86,7 @@ class RaySource(RankEpochs):
         self._resume_armed = False  # that iter() resumes a saved epoch
         self._next = NextEpoch()  # the next epoch, started early
         self._direct_pool: WorkerPool | None = None  # runs simple file plans (direct.py)
+        self._actor_start: ActorStart | None = None  # whether that pool's actors answered
         self._splits: Any = None  # rank 0: the epoch's parts, alive until every rank ended it
         self._board: Any = None  # several ranks, direct epochs: rank 0's board (its actor)
         self._mode: str | None = None  # several ranks: the last epoch's direct mode, if any
@@ -181,6 +182,7 @@ class RaySource(RankEpochs):
         if dealing is not None:
             dealing.close()
         pool, self._direct_pool = self._direct_pool, None
+        self._actor_start = None
         if pool is not None:
             pool.kill()
         self._retire_splits()
@@ -316,13 +318,13 @@ class RaySource(RankEpochs):
         import ray
 
         settings = self._settings
-        # Its actors start now: its first runs load here meanwhile (DirectProducer's local).
-        fresh = self._direct_pool is None and settings.options.start_in_process
         pool = self._pool_for(direct, plan)
         files = direct.source.files
         collate = settings.collate_fn or numpy_batch_to_tensors
         here = direct.work(plan.dataset.context)
         work = ray.put(here)
+        if self._actor_start is None and settings.options.start_in_process:
+            self._actor_start = ActorStart(([work], WARM_UP))  # once per pool
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
             exchange = direct.exchange
@@ -354,8 +356,9 @@ class RaySource(RankEpochs):
             describe=lambda request: describe_run(request[1].paths),
             description=f"{names} on {len(pool)} raydl actors ({len(files)} files)",
             name=f"raydl-epoch-{epoch}-direct",
-            local=functools.partial(load_here, here) if fresh else None,
-            warm_up=([work], WARM_UP),
+            # While the pool's actors start, runs load here (the same batches).
+            local=functools.partial(load_here, here),
+            start=self._actor_start,
         )
 
     #: A global shuffle's map phase replies with one object per run (``map_phase``'s

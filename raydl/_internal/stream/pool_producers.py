@@ -21,6 +21,7 @@ tensors are made over the object store's memory, without a copy.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -371,13 +372,13 @@ class DirectProducer(_PoolProducer):
     (:func:`~raydl._internal.workers.convert.owned_blocks`): the batches cut from
     them reach ``collate`` writable, over the object store's memory, not copied.
 
-    With ``local`` (a pool's first epoch), the first runs are loaded in this process
-    by ``local(request)`` while the actors start: ``warm_up`` goes to every actor at
-    once, and runs go to the actors from the first run after all of them answered
-    (or failed: their runs then meet the failure as usual). A run is a pure function
-    of its files, so the epoch's blocks, and its batches, are the same either way;
-    only its first batch comes sooner (an actor's first reply waits for its process
-    and imports, seconds on a small machine).
+    With ``local`` and ``start`` (:class:`ActorStart`), the first runs are loaded in
+    this process by ``local(request)`` while the actors start: a warm-up goes to
+    every actor once, and runs go to the actors from the first run after all of them
+    answered (or failed: their runs then meet the failure as usual). A run is a pure
+    function of its files, so the epoch's blocks, and its batches, are the same
+    either way; only its first batch comes sooner (an actor's first reply waits for
+    its process and imports, seconds on a small machine).
     """
 
     def __init__(
@@ -398,13 +399,13 @@ class DirectProducer(_PoolProducer):
         name: str,
         calls: Calls | None = None,
         local: Callable[[Any], list[Any]] | None = None,
-        warm_up: Any = None,
+        start: ActorStart | None = None,
     ) -> None:
         super().__init__(None)
         self._pool = pool
         self._calls = calls or RayCalls()
-        self._local = local
-        self._warm_up = warm_up
+        self._local = local if start is not None else None
+        self._start = start
         self._window_bytes = window_bytes
         self._size_of = size_of
         self._runs = runs
@@ -452,13 +453,9 @@ class DirectProducer(_PoolProducer):
             yield from blocks
 
     def _while_the_actors_start(self, runs: Iterator[Any]) -> Iterator[Any]:
-        """The first of ``runs``, loaded here until every actor answered its warm-up."""
-        assert self._local is not None
-        starting = [self._calls.submit(a, "fetch", self._warm_up) for a in self._pool.actors]
-        while True:
-            starting = [ref for ref in starting if not self._answered(ref)]
-            if not starting:
-                return
+        """The first of ``runs``, loaded here while some actor has not answered its warm-up."""
+        assert self._local is not None and self._start is not None
+        while self._start.starting(self._pool, self._calls):
             request = next(runs, None)
             if request is None:
                 return
@@ -469,12 +466,35 @@ class DirectProducer(_PoolProducer):
             self._largest = max(self._largest, self._size_of(blocks))
             yield from blocks
 
-    def _answered(self, ref: Any) -> bool:
-        """Whether a warm-up has its reply (a failure counts: the runs meet it on their own)."""
-        try:
-            self._calls.get(ref, 0.0)
-        except ResultTimeout:
-            return False
-        except Exception:  # a dead actor, a failed start: the Dispatcher's to handle
-            return True
+
+class ActorStart:
+    """Whether a pool's actors have all answered a first request, asked without waiting.
+
+    Shared by the epochs of one pool, so that an epoch started while the actors
+    still start (the next one, started early) loads here too, and the warm-ups
+    go once: the first ask sends ``warm_up`` to every actor.
+    """
+
+    def __init__(self, warm_up: Any) -> None:
+        self._warm_up = warm_up
+        self._waiting: list[Any] | None = None  # warm-ups not answered yet
+        self._lock = threading.Lock()
+
+    def starting(self, pool: Pool, calls: Calls) -> bool:
+        """Whether some actor of ``pool`` has not answered its warm-up yet."""
+        with self._lock:
+            if self._waiting is None:
+                self._waiting = [calls.submit(a, "fetch", self._warm_up) for a in pool.actors]
+            self._waiting = [ref for ref in self._waiting if not _answered(calls, ref)]
+            return bool(self._waiting)
+
+
+def _answered(calls: Calls, ref: Any) -> bool:
+    """Whether a warm-up has its reply (a failure counts: the runs meet it on their own)."""
+    try:
+        calls.get(ref, 0.0)
+    except ResultTimeout:
+        return False
+    except Exception:  # a dead actor, a failed start: the Dispatcher's to handle
         return True
+    return True
