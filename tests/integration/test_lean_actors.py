@@ -47,7 +47,10 @@ def test_direct_actors_do_not_import_torch(folder: Path, mode: str) -> None:
     ds = raydl.read_binary_files(str(folder)).map_batches(
         _torch_free.parse_and_report, batch_size=8, batch_format="numpy"
     )
-    loader = RayDataLoader(ds, batch_size=10, shuffle=True, shuffle_mode=mode)
+    # Every run on the actors: one loaded in the trainer would report the trainer's torch.
+    loader = RayDataLoader(
+        ds, batch_size=10, shuffle=True, shuffle_mode=mode, start_in_process=False
+    )
     try:
         batches = list(loader)
         assert "raydl actors" in str(loader.stats()["epochs"][-1]["ray_data"])

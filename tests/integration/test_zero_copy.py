@@ -141,7 +141,8 @@ def test_raydl_direct_runs_are_not_copied_and_epochs_stay_intact(
         _parse, batch_size=8, batch_format="numpy"
     )
     # 48 files in 16 runs (direct.MIN_RUNS): 3-row blocks, so 3-row batches are blocks.
-    loader = RayDataLoader(ds, batch_size=3, shuffle=shuffle, seed=0)
+    # Every run on the actors: runs loaded in the trainer while they start are not in the store.
+    loader = RayDataLoader(ds, batch_size=3, shuffle=shuffle, seed=0, start_in_process=False)
     stored = _two_epochs(loader)
     summary = str(loader.stats()["epochs"][-1]["ray_data"])
     assert "raydl actors" in summary, summary

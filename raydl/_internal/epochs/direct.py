@@ -394,7 +394,7 @@ WARM_UP = LoadRun(())
 def load_here(work: EpochWork, request: tuple[Any, LoadRun]) -> list[dict[str, np.ndarray]]:
     """A streaming request's run loaded in this process, as an actor loads it.
 
-    For the first runs of a pool's first epoch, while its actors start
+    For the runs an epoch sends while its pool's actors start
     (:class:`~raydl._internal.stream.pool_producers.DirectProducer`): a run is a pure
     function of its files, so the blocks are those an actor gives (the same code
     :class:`LocalRuns` relies on for elastic resume). An error names the stages and

@@ -460,7 +460,7 @@ class DirectProducer(_PoolProducer):
             if request is None:
                 return
             self._check_stop()
-            blocks = self._local(request)
+            blocks = owned_blocks(self._local(request))  # this epoch's alone, as an actor's
             self.loaded_here += 1
             self.blocks += len(blocks)
             self._largest = max(self._largest, self._size_of(blocks))
