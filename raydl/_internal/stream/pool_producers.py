@@ -438,19 +438,22 @@ class DirectProducer(_PoolProducer):
         if self._local is not None:
             yield from self._while_the_actors_start(runs)
         sent_all = False
-        window = self._window
         while True:
+            # Fewer runs in flight once loaded runs proved large (the largest so far).
+            window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
             sent_all = sent_all or self._dispatch.top_up(runs, window)
             start = self._start_next
             if sent_all and start is not None and not self.handoff.stopped and start():
                 self._start_next = None
             if not self._dispatch:
                 return
-            blocks = owned_blocks(unwrap(self._dispatch.collect()))
-            self.blocks += len(blocks)
-            self._largest = max(self._largest, self._size_of(blocks))
-            window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
-            yield from blocks
+            yield from self._loaded(owned_blocks(unwrap(self._dispatch.collect())))
+
+    def _loaded(self, blocks: list[Any]) -> list[Any]:
+        """A loaded run's blocks, counted (the summary's blocks, the largest run so far)."""
+        self.blocks += len(blocks)
+        self._largest = max(self._largest, self._size_of(blocks))
+        return blocks
 
     def _while_the_actors_start(self, runs: Iterator[Any]) -> Iterator[Any]:
         """The first of ``runs``, loaded here while some actor has not answered its warm-up."""
@@ -460,11 +463,8 @@ class DirectProducer(_PoolProducer):
             if request is None:
                 return
             self._check_stop()
-            blocks = owned_blocks(self._local(request))  # this epoch's alone, as an actor's
             self.loaded_here += 1
-            self.blocks += len(blocks)
-            self._largest = max(self._largest, self._size_of(blocks))
-            yield from blocks
+            yield from self._loaded(owned_blocks(self._local(request)))  # this epoch's alone
 
 
 class ActorStart:
