@@ -4,7 +4,9 @@ Launched by torchrun (or by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
 Writes one JSON line per epoch to ``<record>.rank<r>``. With ``--die-after K``
 rank 1 kills itself (SIGKILL) after K batches of each loader whose spec ends in
 ``/dies`` (the last one; it runs with ``--timeout``), to test that rank 0 fails
-cleanly instead of hanging. ``--early-collectives RECORD`` first runs
+cleanly instead of hanging. A loader whose spec ends in ``/poison`` reads through
+a stage that raises on one row (``POISON``): each rank records the error it got
+and goes on to the next loader. ``--early-collectives RECORD`` first runs
 ``_early_collectives.py``'s scenario, whose loader starts Ray in the background.
 """
 
@@ -46,10 +48,32 @@ def drop_sevens(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: column[keep] for name, column in batch.items()}
 
 
+#: The row ``poison`` raises on: in ``part-2.parquet`` (ids 1037-2036).
+POISON = 1500
+
+
+def poison(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A stage that fails on one row of one file, as a decoder fails on a bad record."""
+    if POISON in batch["id"]:
+        raise ValueError(f"poison row {POISON}")
+    return batch
+
+
 def _consume(
-    loader: raydl.RayDataLoader, path: str, rank: int, epochs: int, die_after: int
+    loader: raydl.RayDataLoader,
+    path: str,
+    rank: int,
+    epochs: int,
+    die_after: int,
+    *,
+    poisoned: bool = False,
 ) -> None:
-    """Iterate ``loader`` for ``epochs`` epochs, one JSON line per epoch to ``path``."""
+    """Iterate ``loader`` for ``epochs`` epochs, one JSON line per epoch to ``path``.
+
+    ``poisoned``: an epoch is expected to fail; record its error, wait for the other
+    ranks (a barrier) and return (no per-step all-reduce, which the rank whose epoch
+    fails first would leave unpaired).
+    """
     with open(path, "w") as out:
         for epoch in range(epochs):
             ids: list[int] = []
@@ -61,7 +85,7 @@ def _consume(
                     batches += 1
                     if rank == 1 and batches == die_after:
                         os.kill(os.getpid(), signal.SIGKILL)
-                    if die_after < 0:
+                    if die_after < 0 and not poisoned:
                         # the step of a DDP job: an all-reduce every batch (when no rank
                         # dies; otherwise gloo's own error would pre-empt the loader's)
                         dist.all_reduce(torch.ones(1))
@@ -76,6 +100,11 @@ def _consume(
                     + "\n"
                 )
                 out.flush()
+                if poisoned:
+                    # The loader stays open until every rank has its error, as in a script
+                    # that catches it and goes on to the next epoch: rank 0's board lives on.
+                    dist.barrier()
+                    return
                 sys.stdout.flush()
                 os._exit(3)
             stats = loader.stats()["epochs"][-1]
@@ -97,7 +126,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=33)
     # comma-separated READER/MODE[/EPOCHS[/dies]], one loader each, in turn ("none":
     # shuffle=False; READER "ray": Ray Data's read_parquet, "raydl": a plan raydl's own
-    # actors run; "dies": --die-after and --timeout apply to this loader)
+    # actors run, "poison": the same with a stage that fails on one row; "dies":
+    # --die-after and --timeout apply to this loader)
     parser.add_argument("--loaders", default="ray/blocks")
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=0)
@@ -117,6 +147,7 @@ def main() -> None:
     datasets = {
         "raydl": lambda: raydl.read_parquet(paths).map_batches(drop_sevens, batch_format="numpy"),
         "ray": lambda: ray.data.read_parquet(paths),
+        "poison": lambda: raydl.read_parquet(paths).map_batches(poison, batch_format="numpy"),
     }
     specs = [item.split("/") for item in args.loaders.split(",")]
     for reader, mode, *rest in specs:  # one loader after another, each for every epoch
@@ -128,12 +159,15 @@ def main() -> None:
             seed=7,
             shuffle_mode="files" if mode == "none" else mode,
             local_shuffle_buffer_size=100,
-            timeout=args.timeout if dies else 0,
+            timeout=args.timeout if dies else 60 if reader == "poison" else 0,
         )
         record = args.record if len(specs) == 1 else f"{args.record}-{reader}-{mode}"
         record += "-dies" if dies and len(specs) > 1 else ""
         count = int(rest[0]) if rest else args.epochs
-        _consume(loader, f"{record}.rank{rank}", rank, count, args.die_after if dies else -1)
+        _consume(
+            loader, f"{record}.rank{rank}", rank, count, args.die_after if dies else -1,
+            poisoned=reader == "poison",
+        )  # fmt: skip
         loader.close()
     dist.barrier()
     dist.destroy_process_group()

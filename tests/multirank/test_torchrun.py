@@ -78,6 +78,10 @@ MODES = ("global", "files", "none")  # "none": shuffle=False
 SPLIT_LOADERS = ",".join(["ray/blocks/2", *(f"raydl/{mode}/3" for mode in MODES)])
 SPLIT_NAMES = ["ray-blocks", *(f"raydl-{mode}" for mode in MODES)]
 SPLIT_EPOCHS = {"ray-blocks": 2, **{f"raydl-{mode}": 3 for mode in MODES}}
+#: Loaders the torchrun launch of ``split_runs`` ends with: a direct plan whose stage raises
+#: on one row of one file (``_consume.POISON``), streaming and globally shuffled.
+POISON_MODES = ("files", "global")
+POISON_LOADERS = ",".join(f"poison/{mode}/1" for mode in POISON_MODES)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class SplitRuns:
 
     runs: list[dict[str, dict[int, list[dict]]]]
     early: dict[int, dict]
+    poisoned: dict[str, dict[int, list[dict]]]  # the torchrun launch's POISON_LOADERS, by mode
     dead_returncodes: list[int | None]
     dead_lines: list[str]  # rank 0's record of the loader rank 1 died under
     dead_output: str
@@ -141,10 +146,11 @@ def split_runs(unequal_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     early = folder / "early"
     proc = _torchrun(
         str(SCRIPT), "--early-collectives", str(early), "--record", str(folder / "run0"),
-        *common, "--loaders", SPLIT_LOADERS, timeout=400,
+        *common, "--loaders", f"{SPLIT_LOADERS},{POISON_LOADERS}", timeout=400,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     seen = {rank: json.loads(Path(f"{early}.rank{rank}").read_text()) for rank in (0, 1)}
+    poisoned = {mode: _records(folder / f"run0-poison-{mode}") for mode in POISON_MODES}
     dies = [
         "--loaders",
         f"{SPLIT_LOADERS},ray/blocks/1/dies",
@@ -167,7 +173,7 @@ def split_runs(unequal_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         runs.append(records)
     dead = Path(f"{folder}/run1-ray-blocks-dies.rank0")
     lines = dead.read_text().splitlines() if dead.exists() else []
-    return SplitRuns(runs, seen, codes, lines, output)
+    return SplitRuns(runs, seen, poisoned, codes, lines, output)
 
 
 @pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
@@ -278,3 +284,28 @@ def test_background_start_never_races_the_scripts_own_collectives(split_runs: Sp
         assert len(ids[0]) == len(ids[1]) == 48  # equal shares, every step paired
         assert sorted(ids[0] + ids[1]) == list(range(96))  # every sample once
     assert seen[0]["epochs"][0] != seen[0]["epochs"][1]  # a new order per epoch
+
+
+@pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
+def test_a_run_that_fails_on_rank_0_fails_every_rank_with_its_cause(split_runs: SplitRuns) -> None:
+    """A stage raises on one file while rank 0 loads for every rank; the script catches it.
+
+    Rank 0 raises the stage's error, naming the file; rank 1, which waits for rows that
+    rank 0 will never deal (or a map phase it will never post), raises at once an error
+    naming rank 0 and that cause, instead of waiting until its timeout (60 s here; by
+    default none). Under torchrun the agent would end rank 1 when rank 0's process died,
+    but this script catches the error and goes on, as one that skips a bad epoch does.
+    """
+    for mode, per_rank in split_runs.poisoned.items():
+        errors = {rank: per_rank[rank][-1] for rank in (0, 1)}
+        assert all("error" in errors[rank] for rank in (0, 1)), (mode, errors)
+        first_line = {rank: errors[rank]["error"].splitlines()[0] for rank in (0, 1)}
+        assert first_line[0].startswith("ValueError: Caught ValueError in MapBatches(poison)")
+        assert "part-2.parquet" in first_line[0], first_line
+        assert first_line[1].startswith(
+            "RayDLError: rank 1: rank 0 failed to load epoch 0, whose rows this rank was to "
+            "take: ValueError: Caught ValueError in MapBatches(poison)"
+        ), (mode, first_line[1])
+        assert "part-2.parquet" in first_line[1], first_line
+        assert "poison row 1500" in errors[1]["error"], errors[1]  # the stage's own message
+        assert errors[1]["after_s"] < 50, (mode, errors[1])  # not the loader's timeout

@@ -115,3 +115,46 @@ def test_the_board_hands_each_rank_its_deals_once_and_drops_an_abandoned_starts(
     board.open(1, None)
     board.open(2, None)  # two epochs on: epoch 0's entry is gone
     assert board.dealt(0, 1, wait_s=0) is None
+
+
+@pytest.mark.timeout(30)
+def test_the_board_hands_rank_zeros_failure_to_every_rank_instead_of_rows() -> None:
+    """A run that failed on rank 0 reaches the other ranks, not a wait for rows that never come."""
+    from raydl._internal.epochs.board import Board, Failed, failed
+    from raydl.errors import RayDLError
+
+    board = Board(world_size=3)
+    old = board.open(0, None)
+    new = board.open(0, None)  # rank 0 started epoch 0 again
+    board.deal(0, new, [[], ["a"], []], ended=False)
+    assert board.dealt(0, 1, wait_s=0) == (new, None, ["a"], False)
+    board.fail_deals(0, old, failed(0, ValueError("stale")))  # an abandoned start's: dropped
+    assert board.dealt(0, 2, wait_s=0) is None
+    cause = ValueError("bad row (files ['part-2.parquet'])")
+    board.fail_deals(0, new, failed(0, cause))
+    for rank in (1, 2):  # every rank, each time it asks, whatever it was dealt before
+        reply = board.dealt(0, rank, wait_s=0)
+        assert reply == Failed(0, "ValueError: bad row (files ['part-2.parquet'])")
+    error = reply.error(2)
+    assert isinstance(error, RayDLError)
+    assert str(error) == (
+        "rank 2: rank 0 failed to load epoch 0, whose rows this rank was to take: "
+        "ValueError: bad row (files ['part-2.parquet'])"
+    )
+    again = board.open(0, None)  # a new start of the epoch: its own deals, no failure
+    board.deal(0, again, [[], ["b"], []], ended=True)
+    assert board.dealt(0, 1, wait_s=0) == (again, None, ["b"], True)
+
+
+@pytest.mark.timeout(30)
+def test_the_board_hands_a_failed_map_phase_to_every_rank_until_a_new_one_is_posted() -> None:
+    from raydl._internal.epochs.board import Board, Failed, failed
+
+    board = Board(world_size=3)
+    assert board.fetch(4, 1, wait_s=0) is None  # not posted yet
+    board.fail_phase(failed(4, RuntimeError("actor died")))
+    assert board.fetch(4, 1, wait_s=0) == Failed(4, "RuntimeError: actor died")
+    assert board.fetch(4, 2, wait_s=0) == Failed(4, "RuntimeError: actor died")
+    assert board.fetch(5, 1, wait_s=0) is None  # only that epoch
+    board.post(4, None, [1], [None])  # type: ignore[arg-type]  # rank 0 ran it again
+    assert board.fetch(4, 1, wait_s=0) == (None, [1], [None])

@@ -12,10 +12,42 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from raydl.errors import RayDLError
 
 if TYPE_CHECKING:
     from raydl._internal.epochs.exchange import Exchange
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Rank 0's loading of ``epoch`` failed: what the other ranks get instead of its rows.
+
+    Without it a rank other than 0 would wait on the board for rows that never come
+    whenever rank 0's process lives on after the error (a script that catches it, or
+    ranks launched without torchrun, whose agent ends every rank when one fails).
+
+    Example:
+        >>> str(Failed(3, "ValueError: bad row (files ['a.parquet'])").error(1))
+        "rank 1: rank 0 failed to load epoch 3, whose rows this rank was to take: ValueError: bad row (files ['a.parquet'])"
+    """
+
+    epoch: int
+    cause: str  # ``"<type>: <message>"`` of rank 0's exception
+
+    def error(self, rank: int) -> RayDLError:
+        """The error rank ``rank`` raises."""
+        return RayDLError(
+            f"rank {rank}: rank 0 failed to load epoch {self.epoch}, whose rows this rank "
+            f"was to take: {self.cause}"
+        )
+
+
+def failed(epoch: int, err: BaseException) -> Failed:
+    """Rank 0's ``err`` while loading ``epoch``, as the board hands it to the other ranks."""
+    return Failed(epoch, f"{type(err).__name__}: {err}")
 
 
 class Board:
@@ -23,7 +55,8 @@ class Board:
 
     An entry goes once every other rank fetched it, or when rank 0 posts an epoch
     two ahead of it (an abandoned epoch), so an epoch's pieces are not held here
-    longer than the ranks need them.
+    longer than the ranks need them. A failure of rank 0's loading is posted as a
+    :class:`Failed`, which every rank waiting for that epoch gets instead.
     """
 
     def __init__(self, world_size: int) -> None:
@@ -31,6 +64,7 @@ class Board:
         self._posted: dict[int, tuple[Exchange, list[int], list[list[Any] | None]]] = {}
         self._fetched: dict[int, set[int]] = {}
         self._dealt: dict[int, _Dealt] = {}  # streaming epochs' deals (deal_ranks.py)
+        self._failed: dict[int, Failed] = {}  # global shuffles whose map phase failed
         self._generations = 0
         self._changed = threading.Condition()
 
@@ -60,20 +94,34 @@ class Board:
             entry.ended = entry.ended or ended
             self._changed.notify_all()
 
+    def fail_deals(self, epoch: int, generation: int, failure: Failed) -> None:
+        """Rank 0's dealing of ``epoch`` (its start ``generation``) failed: see :class:`Failed`."""
+        with self._changed:
+            entry = self._dealt.get(epoch)
+            if entry is None or entry.generation != generation:
+                return  # an abandoned start of the epoch
+            entry.failed = failure
+            self._changed.notify_all()
+
     def dealt(self, epoch: int, rank: int, wait_s: float) -> Any:
         """``(generation, settings, new items, ended)`` for ``rank``, or ``None`` after ``wait_s``.
 
         The items are handed over once (forgotten here, so their blocks go with the rank).
+        Once rank 0 failed to deal the epoch (:meth:`fail_deals`), its :class:`Failed`.
         """
 
         def ready() -> bool:
             entry = self._dealt.get(epoch)
-            return entry is not None and (bool(entry.items[rank]) or entry.ended)
+            return entry is not None and (
+                bool(entry.items[rank]) or entry.ended or entry.failed is not None
+            )
 
         with self._changed:
             if not self._changed.wait_for(ready, timeout=wait_s):
                 return None
             entry = self._dealt[epoch]
+            if entry.failed is not None:
+                return entry.failed
             items, entry.items[rank] = entry.items[rank], []
             return entry.generation, entry.settings, items, entry.ended
 
@@ -86,17 +134,31 @@ class Board:
         with self._changed:
             for old in [e for e in self._posted if e < epoch - 1]:
                 self._forget(old)
+            for old in [e for e in self._failed if e < epoch - 1]:
+                del self._failed[old]
+            self._failed.pop(epoch, None)  # a new start of the epoch succeeded
             self._posted[epoch] = (exchange, counts, pieces)
             self._fetched[epoch] = set()
             self._changed.notify_all()
 
-    def fetch(self, epoch: int, rank: int, wait_s: float) -> Any:
-        """``epoch``'s map phase for ``rank``, waiting up to ``wait_s``; ``None`` if not posted yet."""
+    def fail_phase(self, failure: Failed) -> None:
+        """Rank 0's map phase of ``failure.epoch`` failed: see :class:`Failed`."""
         with self._changed:
-            self._changed.wait_for(lambda: epoch in self._posted, timeout=wait_s)
+            self._failed[failure.epoch] = failure
+            self._changed.notify_all()
+
+    def fetch(self, epoch: int, rank: int, wait_s: float) -> Any:
+        """``epoch``'s map phase for ``rank``, waiting up to ``wait_s``; ``None`` if not posted yet.
+
+        Once rank 0's map phase of the epoch failed (:meth:`fail_phase`), its :class:`Failed`.
+        """
+        with self._changed:
+            self._changed.wait_for(
+                lambda: epoch in self._posted or epoch in self._failed, timeout=wait_s
+            )
             entry = self._posted.get(epoch)
             if entry is None:
-                return None
+                return self._failed.get(epoch)
             fetched = self._fetched[epoch]
             fetched.add(rank)
             if len(fetched) >= self._readers:
@@ -116,6 +178,7 @@ class _Dealt:
         self.settings = settings
         self.items: list[list[Any]] = [[] for _ in range(world_size)]
         self.ended = False
+        self.failed: Failed | None = None
 
 
 def start_board(world_size: int) -> Any:

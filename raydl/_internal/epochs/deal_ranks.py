@@ -22,6 +22,11 @@ exactly ``T // world_size`` at the epoch's end: equal batch counts, at most
 deal and each rank's batches are pure functions of (seed, epoch, world size)
 and the runs' outputs, not of timing.
 
+Should a run fail to load on rank 0 (a stage raising on a file, an actor dying on
+every retry), rank 0 raises the error and posts it on the board; every other rank
+then raises a :class:`~raydl.errors.RayDLError` naming rank 0 and that error,
+instead of waiting for deals that never come.
+
 A start of an epoch on rank 0 opens it on the board under a new *generation*
 (``Board.open``), which rank 0 broadcasts in the epoch's plan: a rank whose
 early start took deals of an abandoned start of the epoch is found out and
@@ -30,9 +35,11 @@ rebuilt (or fails with an error naming it), never mixing two starts' rows.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from raydl._internal.epochs.board import Failed, failed
 from raydl._internal.epochs.deal import Dealer
 from raydl._internal.epochs.direct import (
     WINDOW_BYTES,
@@ -93,12 +100,17 @@ def rank_zero(
     def post(per_rank: list[list[Item]], ended: bool) -> None:
         _call(board, "deal", 0, epoch, epoch, generation, per_rank, ended)
 
+    def fail(err: BaseException) -> None:
+        with contextlib.suppress(Exception):  # best effort: the board may be gone
+            _call(board, "fail_deals", 0, epoch, epoch, generation, failed(epoch, err))
+
     holder = [work]  # nested in a list, the reference reaches the actors unresolved
     return DealingProducer(
         pool,
         [(holder, DealRun(tuple(run))) for run in direct.runs()],
         dealer=Dealer(world_size),
         post=post,
+        fail=fail,
         generation=generation,
         settings=settings,
         window=window,
@@ -123,7 +135,9 @@ def other_rank(
     """Rank ``rank``'s producer of ``epoch``: its deals fetched from ``board``."""
 
     def fetch() -> Reply | None:
-        reply: Reply | None = _call(board, "dealt", rank, epoch, epoch, rank, FETCH_WAIT_S)
+        reply: Reply | Failed | None = _call(board, "dealt", rank, epoch, epoch, rank, FETCH_WAIT_S)
+        if isinstance(reply, Failed):
+            raise reply.error(rank)
         return reply
 
     return DealtProducer(

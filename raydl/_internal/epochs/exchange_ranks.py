@@ -19,15 +19,23 @@ a uniform permutation is a uniform sample, so each rank sees a uniform draw.
 The next epoch starts early on every rank: rank 0's map phase of epoch e+1 runs
 on the actors while the ranks drain epoch e, and the other ranks' early epochs
 wait on the board for it.
+
+Should rank 0's map phase fail (a stage raising on a file, an actor dying on every
+retry), rank 0 raises the error and posts it on the board: every other rank then
+raises a :class:`~raydl.errors.RayDLError` naming rank 0 and that error, instead
+of waiting for a map phase that never comes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from raydl._internal.epochs.board import Failed, failed
 from raydl._internal.epochs.exchange import Exchange
 from raydl._internal.stream.exchange_producer import Partitions
+from raydl._internal.stream.handoff import Stopped
 from raydl.errors import RayDLError
 
 #: How long one fetch from the board waits before the caller checks whether to stop.
@@ -50,7 +58,15 @@ class RankZeroPhase:
     def __call__(self, between: Callable[[], None]) -> Partitions:
         import ray
 
-        partitions = self._phase(between)
+        try:
+            partitions = self._phase(between)
+        except Stopped:
+            raise  # the epoch was abandoned here: nothing failed
+        except Exception as err:
+            # The other ranks wait on the board: tell them (best effort, the board may be gone).
+            with contextlib.suppress(Exception):
+                ray.get(self._board.fail_phase.remote(failed(self._epoch, err)))
+            raise
         # Awaited, so that no rank can ask for the epoch before it is there to wait for.
         ref = self._board.post.remote(
             self._epoch, self.exchange, partitions.counts, list(partitions.pieces)
@@ -82,6 +98,8 @@ class BoardPhase:
                     f"{self._epoch}'s global shuffle is gone ({type(err).__name__}): rank 0 "
                     "has died or closed its loader; see rank 0's log."
                 ) from err
+            if isinstance(entry, Failed):
+                raise entry.error(self._rank)
             if entry is not None:
                 break
             between()

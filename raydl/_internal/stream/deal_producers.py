@@ -220,6 +220,8 @@ class DealingProducer(DealtProducer):
         runs: The epoch's requests (``DealRun`` s with the epoch's work), in run order.
         dealer: The epoch's deal.
         post: ``(per-rank new items, ended)`` -> posted for the other ranks (waited for).
+        fail: Called with the dealer's exception (a run that failed to load) before it
+            ends the epoch on this rank, so that the other ranks learn of it.
         generation: This start of the epoch on the board.
         settings: The epoch's cut settings (as posted on the board).
         window: Runs in flight, at most; ``window_bytes``: bytes in flight, at most (by
@@ -236,6 +238,7 @@ class DealingProducer(DealtProducer):
         *,
         dealer: Dealer,
         post: Callable[[list[list[Item]], bool], None],
+        fail: Callable[[BaseException], None],
         generation: int,
         settings: Any,
         window: int,
@@ -249,6 +252,7 @@ class DealingProducer(DealtProducer):
         self._runs = runs
         self._dealer = dealer
         self._post = post
+        self._fail = fail
         self._settings = settings
         self._window = max(1, window)
         self._window_bytes = window_bytes
@@ -260,7 +264,7 @@ class DealingProducer(DealtProducer):
             pool, calls or SplitCalls(2), method="fetch", describe=describe,
             between=self._check_dealer_stop,
         )  # fmt: skip
-        self._deals.start(lambda: self._deal(generation), name=f"{name}-dealer")
+        self._deals.start(lambda: self._deal_or_fail(generation), name=f"{name}-dealer")
         super().__init__(self._own, start_next=start_next, generation=generation, name=name, **rest)
         self.generation = generation
 
@@ -282,8 +286,18 @@ class DealingProducer(DealtProducer):
         if self._deals.stopped:
             raise Stopped
 
+    def _deal_or_fail(self, generation: int) -> None:
+        """The dealer thread: :meth:`_deal`, telling the other ranks if it fails."""
+        try:
+            self._deal(generation)
+        except Stopped:
+            raise  # this rank stopped the epoch: nothing failed
+        except Exception as err:
+            self._fail(err)
+            raise
+
     def _deal(self, generation: int) -> None:
-        """The dealer thread: every run, in order, loaded and dealt."""
+        """Every run of the epoch, in order, loaded and dealt."""
         runs = iter(self._runs)
         world = self._dealer.world_size
         loaded: dict[int, tuple[list[int], Any]] = {}  # runs with rows not dealt yet
