@@ -5,8 +5,9 @@ Writes one JSON line per epoch to ``<record>.rank<r>``. With ``--die-after K``
 rank 1 kills itself (SIGKILL) after K batches of each loader whose spec ends in
 ``/dies`` (the last one; it runs with ``--timeout``), to test that rank 0 fails
 cleanly instead of hanging. A loader whose spec ends in ``/poison`` reads through
-a stage that raises on one row (``POISON``): each rank records the error it got
-and goes on to the next loader. ``--early-collectives RECORD`` first runs
+a stage that raises on one row (``POISON``), one in ``/planfail`` through a
+``PerEpoch`` builder that raises: each rank records the error it got and goes on
+to the next loader. ``--early-collectives RECORD`` first runs
 ``_early_collectives.py``'s scenario, whose loader starts Ray in the background.
 """
 
@@ -126,7 +127,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=33)
     # comma-separated READER/MODE[/EPOCHS[/dies]], one loader each, in turn ("none":
     # shuffle=False; READER "ray": Ray Data's read_parquet, "raydl": a plan raydl's own
-    # actors run, "poison": the same with a stage that fails on one row; "dies":
+    # actors run, "poison": the same with a stage that fails on one row, "planfail": a
+    # PerEpoch whose builder fails; "dies":
     # --die-after and --timeout apply to this loader)
     parser.add_argument("--loaders", default="ray/blocks")
     parser.add_argument("--die-after", type=int, default=-1)
@@ -144,10 +146,13 @@ def main() -> None:
     import ray.data
 
     paths = sorted(os.path.join(args.data, f) for f in os.listdir(args.data))
+    missing = os.path.join(args.data, "missing", "part-9.parquet")
     datasets = {
         "raydl": lambda: raydl.read_parquet(paths).map_batches(drop_sevens, batch_format="numpy"),
         "ray": lambda: ray.data.read_parquet(paths),
         "poison": lambda: raydl.read_parquet(paths).map_batches(poison, batch_format="numpy"),
+        # a per-epoch pipeline whose builder fails (on rank 0, which plans every epoch)
+        "planfail": lambda: raydl.PerEpoch(lambda epoch: raydl.read_parquet([missing])),
     }
     specs = [item.split("/") for item in args.loaders.split(",")]
     for reader, mode, *rest in specs:  # one loader after another, each for every epoch
@@ -159,14 +164,14 @@ def main() -> None:
             seed=7,
             shuffle_mode="files" if mode == "none" else mode,
             local_shuffle_buffer_size=100,
-            timeout=args.timeout if dies else 60 if reader == "poison" else 0,
+            timeout=args.timeout if dies else 60 if reader in ("poison", "planfail") else 0,
         )
         record = args.record if len(specs) == 1 else f"{args.record}-{reader}-{mode}"
         record += "-dies" if dies and len(specs) > 1 else ""
         count = int(rest[0]) if rest else args.epochs
         _consume(
             loader, f"{record}.rank{rank}", rank, count, args.die_after if dies else -1,
-            poisoned=reader == "poison",
+            poisoned=reader in ("poison", "planfail"),
         )  # fmt: skip
         loader.close()
     dist.barrier()

@@ -81,7 +81,7 @@ SPLIT_EPOCHS = {"ray-blocks": 2, **{f"raydl-{mode}": 3 for mode in MODES}}
 #: Loaders the torchrun launch of ``split_runs`` ends with: a direct plan whose stage raises
 #: on one row of one file (``_consume.POISON``), streaming and globally shuffled.
 POISON_MODES = ("files", "global")
-POISON_LOADERS = ",".join(f"poison/{mode}/1" for mode in POISON_MODES)
+POISON_LOADERS = ",".join([*(f"poison/{mode}/1" for mode in POISON_MODES), "planfail/files/1"])
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class SplitRuns:
     runs: list[dict[str, dict[int, list[dict]]]]
     early: dict[int, dict]
     poisoned: dict[str, dict[int, list[dict]]]  # the torchrun launch's POISON_LOADERS, by mode
+    plan_failed: dict[int, list[dict]]  # its last loader, whose PerEpoch builder fails
     dead_returncodes: list[int | None]
     dead_lines: list[str]  # rank 0's record of the loader rank 1 died under
     dead_output: str
@@ -151,6 +152,7 @@ def split_runs(unequal_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     seen = {rank: json.loads(Path(f"{early}.rank{rank}").read_text()) for rank in (0, 1)}
     poisoned = {mode: _records(folder / f"run0-poison-{mode}") for mode in POISON_MODES}
+    plan_failed = _records(folder / "run0-planfail-files")
     dies = [
         "--loaders",
         f"{SPLIT_LOADERS},ray/blocks/1/dies",
@@ -173,7 +175,7 @@ def split_runs(unequal_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         runs.append(records)
     dead = Path(f"{folder}/run1-ray-blocks-dies.rank0")
     lines = dead.read_text().splitlines() if dead.exists() else []
-    return SplitRuns(runs, seen, poisoned, codes, lines, output)
+    return SplitRuns(runs, seen, poisoned, plan_failed, codes, lines, output)
 
 
 @pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
@@ -309,3 +311,23 @@ def test_a_run_that_fails_on_rank_0_fails_every_rank_with_its_cause(split_runs: 
         assert "part-2.parquet" in first_line[1], first_line
         assert "poison row 1500" in errors[1]["error"], errors[1]  # the stage's own message
         assert errors[1]["after_s"] < 50, (mode, errors[1])  # not the loader's timeout
+
+
+@pytest.mark.timeout(840)  # the launches of split_runs run in the first test that needs them
+def test_a_plan_that_fails_on_rank_0_fails_every_rank_with_its_cause(split_runs: SplitRuns) -> None:
+    """A ``PerEpoch`` builder raises while rank 0 plans the epoch (a path that does not exist).
+
+    Rank 0 plans every epoch and broadcasts the plan; the other ranks wait in that
+    broadcast. Rank 0 now broadcasts its failure before raising it, so rank 1 raises an
+    error naming rank 0 and the cause, instead of waiting in the broadcast for gloo's
+    timeout (30 minutes by default) or pairing it with the script's next collective.
+    """
+    errors = {rank: split_runs.plan_failed[rank][-1] for rank in (0, 1)}
+    missing = "read_parquet: path '"
+    assert errors[0]["error"].startswith(f"FileNotFoundError: {missing}"), errors[0]
+    assert "missing/part-9.parquet' does not exist" in errors[0]["error"], errors[0]
+    assert errors[1]["error"] == (
+        "RayDLError: rank 1: rank 0 failed to plan epoch 0, which every rank runs: "
+        + errors[0]["error"]
+    ), errors
+    assert errors[1]["after_s"] < 50, errors[1]  # not the loader's timeout

@@ -99,16 +99,25 @@ class RankEpochs:
 
         Under several ranks the broadcast is also where rank 0 learns that every
         rank finished the previous epoch, so it can let go of the previous parts.
+        Should rank 0 fail to plan the epoch, it broadcasts that failure, which every
+        other rank raises, and raises its own exception.
         """
         world = self._world
-        plan = (
-            self._rank0_plan(epoch, resume, resume if elastic else None)
-            if world.rank == 0
-            else None
-        )
+        plan: RankPlan | None = None
+        if world.rank == 0:
+            try:
+                plan = self._rank0_plan(epoch, resume, resume if elastic else None)
+            except Exception as err:
+                # The other ranks wait in the broadcast: tell them, then raise it here.
+                if world.is_distributed:
+                    Channel.get(world).broadcast(RankPlan.failure_of(epoch, err))
+                raise
         if world.is_distributed:
             plan = Channel.get(world).broadcast(plan)
         assert plan is not None
+        failure = plan.failure(world.rank)
+        if failure is not None:
+            raise failure
         epoch = plan.epoch
         self._retire_splits()
         self._mode = plan.mode

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raydl._internal.stream.epoch_iterator import Producer
+from raydl.errors import RayDLError
 
 
 @dataclass
@@ -81,6 +82,9 @@ class RankPlan:
             (``deal_ranks.py``); ``parts`` is unused.
         mode: A direct epoch's kind: ``"exchange"`` or ``"deal"``.
         generation: A dealt epoch: rank 0's start of it, whose deals every rank takes.
+        failed: Rank 0 failed to plan the epoch: ``"<type>: <message>"`` of its
+            exception, which every other rank raises (see :meth:`failure`) instead of
+            running the epoch; rank 0 raises the exception itself.
     """
 
     epoch: int
@@ -91,3 +95,24 @@ class RankPlan:
     board: Any = None
     mode: str | None = None
     generation: int | None = None
+    failed: str | None = None
+
+    @classmethod
+    def failure_of(cls, epoch: int, err: BaseException) -> RankPlan:
+        """The plan rank 0 broadcasts when planning ``epoch`` raised ``err``."""
+        return cls(epoch, None, are_splits=False, failed=f"{type(err).__name__}: {err}")
+
+    def failure(self, rank: int) -> RayDLError | None:
+        """The error rank ``rank`` raises for this plan, ``None`` unless rank 0 failed to plan it.
+
+        Example:
+            >>> plan = RankPlan.failure_of(2, FileNotFoundError("s3://b/x.parquet"))
+            >>> print(plan.failure(1))
+            rank 1: rank 0 failed to plan epoch 2, which every rank runs: FileNotFoundError: s3://b/x.parquet
+        """
+        if self.failed is None:
+            return None
+        return RayDLError(
+            f"rank {rank}: rank 0 failed to plan epoch {self.epoch}, which every rank runs: "
+            f"{self.failed}"
+        )
