@@ -435,7 +435,9 @@ class RayDataLoader(Iterable[Any]):
         if startup is not None:
             startup.wait()  # raises what the background start raised
         if not self._source.in_process:
-            cluster.ensure_ray(self.options.ray_address, world=self._world)
+            cluster.ensure_ray(
+                self.options.ray_address, world=self._world, preload=self._source.worker_modules
+            )
         epoch = self._next_epoch
         resume, self._resume = self._resume, None
         self._expect(epoch + 1)

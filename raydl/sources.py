@@ -259,7 +259,7 @@ def read_parquet(
         reader="read_parquet",
         written=_as_path_list(paths),
     )
-    cluster.ensure_ray()
+    cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
     return parquet.read_dataset(
         fs,
         files,
@@ -339,7 +339,7 @@ def read_images(
         ray_options,
         default_extensions=reads.IMAGE_EXTENSIONS,
     )
-    cluster.ensure_ray()
+    cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
     if policy == "raise":
         return ray.data.read_images(
             stripped,
@@ -429,13 +429,13 @@ def read_binary_files(
             reader="read_binary_files",
             written=written,
         )
-        cluster.ensure_ray()
+        cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
         if policy == "skip":
             skips.ledger()  # owned by this driver, so it lives as long as the job
         source = FileListDatasource(files, fs, include_paths=include_paths, on_bad_file=policy)
         return ray.data.read_datasource(source, **ray_options)
     _check_before_ray("read_binary_files", fs, stripped, written, ray_options)
-    cluster.ensure_ray()
+    cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
     if policy == "raise":
         return ray.data.read_binary_files(
             stripped, filesystem=fs, include_paths=include_paths, **ray_options

@@ -7,7 +7,9 @@ among them, and come back with ``RAYDL_LEAN_RAY=0``; a loader works on the lean
 instance (docs/design.md, "The cold path", Lean). A loader of a torch ``Dataset``
 never imports Ray Data into the training process (about 57 MB). Under torchrun's
 variables, the loader's actors run in the workers Ray prestarted while it started
-(none is left idle), and see those variables blanked: they are no rank.
+(none is left idle), and see those variables blanked: they are no rank. An
+instance that a read starts has its workers import Ray Data as they start (its
+actors would import it anyway); one that ``raydl.init()`` starts does not.
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ for ids, seen in loader:
     ranks |= set(seen)
 titles = [p.name() for p in psutil.Process().children(recursive=True)]
 print(json.dumps({"rows": sorted(rows), "ranks": sorted(ranks), "titles": sorted(titles)}))
+"""
+
+PRELOAD = """
+import json, os, sys, tempfile
+import pyarrow as pa, pyarrow.parquet as pq
+import ray, raydl
+if os.environ.get("READ_FIRST") == "1":
+    path = os.path.join(tempfile.mkdtemp(), "t.parquet")
+    pq.write_table(pa.table({"x": [1, 2, 3]}), path)
+    raydl.read_parquet(path)  # starts the embedded instance, for Ray Data work
+else:
+    raydl.init()
+
+@ray.remote
+def imported():
+    return sorted(m for m in ("ray.data", "torch") if m in sys.modules)
+
+print(json.dumps({"imported": ray.get([imported.remote() for _ in range(4)])}))
 """
 
 #: What torchrun sets in a rank's environment (one rank).
@@ -107,3 +127,11 @@ def test_under_torchrun_the_actors_take_the_prestarted_workers_and_are_no_rank()
         assert "ray::IDLE" not in seen["titles"], seen["titles"]
     assert plain["ranks"] == ["unset"]
     assert ranked["ranks"] == [""]  # blanked: torch.distributed in a worker finds no rank
+
+
+@pytest.mark.timeout(360)
+def test_workers_of_an_instance_a_read_starts_import_ray_data_as_they_start() -> None:
+    """A plain task (which needs no Ray Data) finds it imported only where a read started Ray."""
+    read_first, init_first = _programs({"READ_FIRST": "1"}, {}, script=PRELOAD)
+    assert read_first["imported"] == [["ray.data"]] * 4  # and not torch
+    assert init_first["imported"] == [[]] * 4

@@ -99,6 +99,9 @@ class RaySource(RankEpochs):
 
     #: Epochs of Ray Data plans always run on Ray.
     in_process = False
+    #: Its workers (raydl's direct actors, Ray Data's tasks) import Ray Data: an embedded
+    #: instance it starts has them import it as they start (``cluster.ensure_ray``).
+    worker_modules = cluster.RAY_DATA_WORKERS
 
     def warm(self) -> Warm[None] | None:
         """What the loader's background start warms: epoch 0, started at construction.

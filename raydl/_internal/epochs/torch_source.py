@@ -120,6 +120,11 @@ class TorchSource:
                 self._budget = worker_budget(total, per, ranks=self._world.world_size)
         return self._budget
 
+    #: Nothing to preload in the workers of an embedded instance it starts: its actors
+    #: import torch and the dataset as they unpickle it, within a moment of Ray's start
+    #: (a preloaded torch measured no sooner), and Ray Data would cost them memory.
+    worker_modules: tuple[str, ...] = ()
+
     @property
     def in_process(self) -> bool:
         """Epochs load in the training process (``num_workers=0``, as torch): no Ray."""

@@ -12,6 +12,9 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
   (:func:`raylet_env`);
 * ``ray._private.worker.global_worker.mode`` and ``WORKER_MODE``: whether this
   process is one of Ray's workers (:func:`in_worker`);
+* the system config ``preload_python_modules`` (``ray.init(_system_config=...)``),
+  which the raylet passes to every worker process it starts as
+  ``--worker-preload-modules`` (:func:`preloading`);
 * the module ``ray.data._internal.progress``, whose logger announces that progress
   bars are off.
 """
@@ -22,10 +25,18 @@ import contextlib
 import importlib.util
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["PROGRESS_LOGGER", "check", "in_worker", "lean_head", "raylet_env", "reload_config"]
+__all__ = [
+    "PROGRESS_LOGGER",
+    "check",
+    "in_worker",
+    "lean_head",
+    "preloading",
+    "raylet_env",
+    "reload_config",
+]
 
 _patching = threading.RLock()  # one patch of Ray at a time (they nest)
 
@@ -101,6 +112,29 @@ def raylet_env(updates: dict[str, str]) -> Iterator[None]:
             yield
         finally:
             services.start_raylet = start
+
+
+def preloading(modules: Sequence[str]) -> dict[str, Any]:
+    """``ray.init`` arguments that make each worker process of a new instance import ``modules``.
+
+    A worker imports them right after it registers with its raylet and before it
+    takes its first task, so the workers the raylet prestarts while Ray starts (one
+    per CPU) import them while the driver goes on (listing files, building its
+    loader), and an actor placed on one of them finds them imported. A module that
+    fails to import is logged by the worker and skipped. Every later worker of the
+    instance imports them too.
+
+    Relies on Ray's system config ``preload_python_modules`` (``ray.init``'s
+    ``_system_config``), which the raylet passes to its workers as
+    ``--worker-preload-modules``.
+
+    Example:
+        >>> preloading(["ray.data"])
+        {'_system_config': {'preload_python_modules': ['ray.data']}}
+        >>> preloading([])
+        {}
+    """
+    return {"_system_config": {"preload_python_modules": list(modules)}} if modules else {}
 
 
 def in_worker() -> bool:

@@ -33,7 +33,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from raydl._internal.runtime import env, reaper
@@ -44,6 +44,12 @@ from raydl.errors import RayDLError
 JOINER_RECONNECT_TIMEOUT_S = 5
 #: Seconds the other ranks wait for rank 0 to start the embedded cluster and publish it.
 RANK0_START_TIMEOUT_S = 180
+#: What the worker processes of Ray Data work import as they start (``ensure_ray``'s
+#: ``preload``): raydl's direct actors and Ray Data's tasks unpickle the plan's Ray Data
+#: objects, which import ``ray.data`` (1.1 s of CPU on this project's 2-CPU machine,
+#: pandas included), so workers that import it while the script lists files and builds
+#: its loader are ready that much sooner (docs/design.md, "The cold path").
+RAY_DATA_WORKERS = ("ray.data",)
 _CLUSTER_KEY = "cluster"
 
 _lock = threading.Lock()
@@ -58,7 +64,11 @@ def is_connected() -> bool:
 
 
 def ensure_ray(
-    address: str | None = None, *, num_cpus: int | None = None, world: World | None = None
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    world: World | None = None,
+    preload: Sequence[str] = (),
 ) -> None:
     """Make sure this process is connected to a Ray cluster.
 
@@ -70,12 +80,16 @@ def ensure_ray(
         world: This process's ranks. With several ranks and no address every rank
             must make this call; under torchrun it is no collective (see the module
             docstring), else it broadcasts over the process group.
+        preload: Modules every worker process of an embedded instance started now
+            imports as it starts (:data:`RAY_DATA_WORKERS` for Ray Data work), so
+            the prestarted workers import them while the script goes on. Ignored
+            when joining a cluster or when Ray is already up.
     """
     address = address or env.ray_address()
     if world is not None and world.is_distributed and not address:
-        _ensure_shared_cluster(world, num_cpus)
+        _ensure_shared_cluster(world, num_cpus, preload)
         return
-    _ensure_ray(address, num_cpus)
+    _ensure_ray(address, num_cpus, preload=preload)
 
 
 def starts_without_collectives(address: str | None, world: World) -> bool:
@@ -84,10 +98,10 @@ def starts_without_collectives(address: str | None, world: World) -> bool:
     return not shared or Rendezvous.from_torchrun(world) is not None
 
 
-def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
+def _ensure_shared_cluster(world: World, num_cpus: int | None, preload: Sequence[str]) -> None:
     rendezvous = Rendezvous.from_torchrun(world)
     if world.rank == 0:
-        _ensure_ray(None, num_cpus)
+        _ensure_ray(None, num_cpus, preload=preload)
         import ray
 
         handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
@@ -118,7 +132,13 @@ def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
     _ensure_ray(gcs_address, None, token=token)
 
 
-def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None = None) -> None:
+def _ensure_ray(
+    address: str | None,
+    num_cpus: int | None,
+    *,
+    token: str | None = None,
+    preload: Sequence[str] = (),
+) -> None:
     global _started_by_raydl
     with _lock:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
@@ -155,6 +175,7 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
                     num_cpus=num_cpus,
                     include_dashboard=False,
                     dashboard_host="127.0.0.1",  # should any dashboard server start anyway
+                    preload=tuple(preload),
                     **common,
                 )
             )
@@ -163,12 +184,12 @@ def _ensure_ray(address: str | None, num_cpus: int | None, *, token: str | None 
             quiet_ray_data()
 
 
-def _embedded_init(**kwargs: Any) -> Any:
+def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
     """``ray.init`` of the embedded instance: its workers see torchrun's variables blanked.
 
     Lean (``RAYDL_LEAN_RAY=0`` turns it off): without the autoscaler monitor and
     the dashboard head, about 110 MB of memory and two Python start-ups less
-    (docs/design.md, "Lean").
+    (docs/design.md, "Lean"). Its workers import ``preload`` as they start.
     """
     import ray
 
@@ -178,7 +199,7 @@ def _embedded_init(**kwargs: Any) -> Any:
         patches.enter_context(ray_core.raylet_env(_blanked_torchrun_vars()))
         if env.lean_ray():
             patches.enter_context(ray_core.lean_head())
-        return ray.init(**kwargs)
+        return ray.init(**kwargs, **ray_core.preloading(preload))
 
 
 def _on_a_lasting_thread(start: Callable[[], Any]) -> None:

@@ -135,6 +135,11 @@ class Warmable(Protocol):
         """What to build once Ray is up."""
         ...
 
+    @property
+    def worker_modules(self) -> tuple[str, ...]:
+        """What its Ray workers import, for an embedded instance to preload (``ensure_ray``)."""
+        ...
+
 
 def begin_for(
     source: Warmable, address: str | None, world: World, enabled: bool | None
@@ -148,5 +153,7 @@ def begin_for(
         return None
     if not cluster.starts_without_collectives(address, world):
         return None
-    connect = functools.partial(cluster.ensure_ray, address, world=world)
+    connect = functools.partial(
+        cluster.ensure_ray, address, world=world, preload=source.worker_modules
+    )
     return BackgroundStart.begin(connect, source.warm())
