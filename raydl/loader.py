@@ -54,20 +54,18 @@ class RayDataLoader(Iterable[Any]):
     The arguments up to ``in_order`` are torch's, in torch's order, with torch's
     meaning and torch's errors. Differences:
 
-    * ``num_workers``: the number of Ray actors that run ``__getitem__``/
-      ``__getitems__`` and ``collate_fn`` of a torch ``Dataset``. ``0`` loads in
-      the training process, as torch does (no pickling, no Ray; ``timeout`` then
-      needs ``num_workers > 0``). Ignored for ``ray.data.Dataset`` sources, whose
-      parallelism is set per stage (``map_batches(num_cpus=..., concurrency=...)``).
-      ``"auto"`` (map-style only): grown while the trainer waits, within ``cpu_budget``.
+    * ``num_workers``: the number of Ray actors that run ``__getitem__``/``__getitems__``
+      and ``collate_fn`` of a torch ``Dataset``. ``0`` loads in the training process, as
+      torch does (no pickling, no Ray; ``timeout`` then needs ``num_workers > 0``). Ignored
+      for ``ray.data.Dataset`` sources, whose parallelism is set per stage
+      (``map_batches(num_cpus=..., concurrency=...)``). ``"auto"`` (map-style only): grown
+      while the trainer waits, within ``cpu_budget``.
     * ``persistent_workers``: keep the actors (and their dataset state) between epochs;
       otherwise they start at ``iter()`` and stop when the epoch ends, as torch's processes.
-    * ``prefetch_factor``: batches in flight per actor (default 2), or batches
-      buffered ahead for ``ray.data.Dataset`` sources; ``"auto"``: tuned as ``num_workers``.
+    * ``prefetch_factor``: batches in flight per actor, or buffered (Ray Data); ``"auto"``: tuned.
     * ``multiprocessing_context``: checked as torch checks it, then unused (no subprocesses).
     * ``timeout``: seconds to wait for a batch, then ``LoaderTimeoutError`` (torch's words).
-    * ``ray.data.Dataset`` sources yield ``dict[str, Tensor]`` batches;
-      ``collate_fn`` then receives Ray Data's ``dict[str, numpy.ndarray]`` batch.
+    * ``ray.data.Dataset`` sources yield ``dict[str, Tensor]`` (``collate_fn``: numpy dicts).
 
     Args:
         dataset: A map-style or iterable torch ``Dataset``, or a ``ray.data.Dataset``.
