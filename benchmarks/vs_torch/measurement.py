@@ -133,6 +133,9 @@ class EpochStats:
     seconds: float
     ttfb_s: float
     slept_s: float = 0.0
+    #: A raydl loader's summary of the epoch (``stats()["epochs"][-1]["ray_data"]``): where
+    #: its work ran, e.g. how many runs loaded in the trainer while the actors started.
+    summary: str | None = None
     exactly_once: bool = True
 
     @property
@@ -221,6 +224,7 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
     try:
         for epoch, (stall_name, step) in enumerate(steps):
             epoch_stats, got = run_epoch(loader.epoch(epoch), epoch, step)
+            epoch_stats.summary = _summary(loader)
             if epoch == 0:
                 ttfb_cold = time.perf_counter() - process_start - epoch_stats.seconds
                 ttfb_cold += epoch_stats.ttfb_s
@@ -258,6 +262,23 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
         "epochs": [asdict(s) for s in stats],
         "autotune": autotune,
     }
+
+
+def _summary(loader: Any) -> str | None:
+    """The last epoch's summary of a raydl loader (``stats()``), else ``None``.
+
+    Args:
+        loader: The contender's ``Loader``.
+
+    Returns:
+        The summary, as text.
+    """
+    stats = getattr(getattr(loader, "loader", None), "stats", None)
+    if not callable(stats):
+        return None
+    epochs = stats().get("epochs") or [{}]
+    summary = epochs[-1].get("ray_data")
+    return None if summary is None else str(summary)
 
 
 def _autotune(loader: Any) -> dict[str, Any] | None:
