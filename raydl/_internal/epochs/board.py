@@ -65,6 +65,7 @@ class Board:
         self._fetched: dict[int, set[int]] = {}
         self._dealt: dict[int, _Dealt] = {}  # streaming epochs' deals (deal_ranks.py)
         self._failed: dict[int, Failed] = {}  # global shuffles whose map phase failed
+        self._told: dict[int, set[int]] = {}  # the ranks each failure was handed to
         self._generations = 0
         self._changed = threading.Condition()
 
@@ -134,17 +135,23 @@ class Board:
         with self._changed:
             for old in [e for e in self._posted if e < epoch - 1]:
                 self._forget(old)
-            for old in [e for e in self._failed if e < epoch - 1]:
-                del self._failed[old]
-            self._failed.pop(epoch, None)  # a new start of the epoch succeeded
+            # Two epochs back, as the entries; and this epoch's: a new start of it succeeded.
+            for old in [e for e in self._failed if e < epoch - 1 or e == epoch]:
+                self._forget_failure(old)
             self._posted[epoch] = (exchange, counts, pieces)
             self._fetched[epoch] = set()
             self._changed.notify_all()
 
     def fail_phase(self, failure: Failed) -> None:
-        """Rank 0's map phase of ``failure.epoch`` failed: see :class:`Failed`."""
+        """Rank 0's map phase of ``failure.epoch`` failed: see :class:`Failed`.
+
+        Handed to each other rank once, then forgotten: a rank that tries the epoch
+        again (a script that retries it) waits for rank 0's new map phase instead of
+        raising the old failure.
+        """
         with self._changed:
             self._failed[failure.epoch] = failure
+            self._told[failure.epoch] = set()
             self._changed.notify_all()
 
     def fetch(self, epoch: int, rank: int, wait_s: float) -> Any:
@@ -158,12 +165,22 @@ class Board:
             )
             entry = self._posted.get(epoch)
             if entry is None:
-                return self._failed.get(epoch)
+                failure = self._failed.get(epoch)
+                if failure is not None:
+                    told = self._told[epoch]
+                    told.add(rank)
+                    if len(told) >= self._readers:
+                        self._forget_failure(epoch)
+                return failure
             fetched = self._fetched[epoch]
             fetched.add(rank)
             if len(fetched) >= self._readers:
                 self._forget(epoch)
             return entry
+
+    def _forget_failure(self, epoch: int) -> None:
+        self._failed.pop(epoch, None)
+        self._told.pop(epoch, None)
 
     def _forget(self, epoch: int) -> None:
         self._posted.pop(epoch, None)

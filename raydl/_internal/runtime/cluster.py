@@ -83,11 +83,14 @@ def ensure_ray(
         preload: Modules every worker process of an embedded instance started now
             imports as it starts (:data:`RAY_DATA_WORKERS` for Ray Data work), so
             the prestarted workers import them while the script goes on. Ignored
-            when joining a cluster or when Ray is already up.
+            when joining a cluster, when Ray is already up, and for the cluster
+            that rank 0 starts for several ranks.
     """
     address = address or env.ray_address()
     if world is not None and world.is_distributed and not address:
-        _ensure_shared_cluster(world, num_cpus, preload)
+        # No preload: the ranks' board, a light actor on every rank's first batch, would
+        # import Ray Data too (measured on one rank only, so left as before).
+        _ensure_shared_cluster(world, num_cpus)
         return
     _ensure_ray(address, num_cpus, preload=preload)
 
@@ -98,10 +101,10 @@ def starts_without_collectives(address: str | None, world: World) -> bool:
     return not shared or Rendezvous.from_torchrun(world) is not None
 
 
-def _ensure_shared_cluster(world: World, num_cpus: int | None, preload: Sequence[str]) -> None:
+def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
     rendezvous = Rendezvous.from_torchrun(world)
     if world.rank == 0:
-        _ensure_ray(None, num_cpus, preload=preload)
+        _ensure_ray(None, num_cpus)
         import ray
 
         handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
