@@ -64,6 +64,7 @@ if os.environ.get("READ_FIRST") == "1":
     pq.write_table(pa.table({"x": [1, 2, 3]}), path)
     raydl.read_parquet(path)  # starts the embedded instance, for Ray Data work
 else:
+    import ray.data  # in the driver only: the workers import what preload_python_modules says
     raydl.init()
 
 @ray.remote

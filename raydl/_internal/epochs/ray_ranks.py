@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from raydl._internal.epochs import deal_ranks
-from raydl._internal.epochs.board import start_board
+from raydl._internal.epochs.board import failed, start_board
 from raydl._internal.epochs.direct import DirectPlan
 from raydl._internal.epochs.elastic import batch_counts
 from raydl._internal.epochs.exchange import shares as exchange_shares
@@ -110,7 +110,8 @@ class RankEpochs:
             except Exception as err:
                 # The other ranks wait in the broadcast: tell them, then raise it here.
                 if world.is_distributed:
-                    Channel.get(world).broadcast(RankPlan.failure_of(epoch, err))
+                    with contextlib.suppress(Exception):  # raise the cause, not this
+                        Channel.get(world).broadcast(RankPlan.failure_of(epoch, err))
                 raise
         if world.is_distributed:
             plan = Channel.get(world).broadcast(plan)
@@ -308,9 +309,14 @@ class RankEpochs:
             plan, direct = self._plans(epoch, True)
             if direct is None or direct.exchange is None:
                 raise RuntimeError(f"epoch {epoch} is not a global shuffle on raydl's actors")
-            pool = self._pool_for(direct, plan)
-            work = ray.put(direct.work(plan.dataset.context))
-            run_phase, whole = self._map_phase(pool, work, direct)
+            try:
+                pool = self._pool_for(direct, plan)
+                work = ray.put(direct.work(plan.dataset.context))
+                run_phase, whole = self._map_phase(pool, work, direct)
+            except Exception as err:  # the other ranks wait on the board for this map phase
+                with contextlib.suppress(Exception):
+                    ray.get(board.fail_phase.remote(failed(epoch, err)))
+                raise
             phase = RankZeroPhase(run_phase, direct.exchange, board, epoch)
             description = (
                 f"{' -> '.join(direct.names)} -> global shuffle "

@@ -293,7 +293,8 @@ class DealingProducer(DealtProducer):
         except Stopped:
             raise  # this rank stopped the epoch: nothing failed
         except Exception as err:
-            self._fail(err)
+            if not self._deals.stopped:  # a failure of an epoch being stopped is no failure
+                self._fail(err)
             raise
 
     def _deal(self, generation: int) -> None:
