@@ -128,10 +128,10 @@ def test_the_board_hands_rank_zeros_failure_to_every_rank_instead_of_rows() -> N
     new = board.open(0, None)  # rank 0 started epoch 0 again
     board.deal(0, new, [[], ["a"], []], ended=False)
     assert board.dealt(0, 1, wait_s=0) == (new, None, ["a"], False)
-    board.fail_deals(0, old, failed(0, ValueError("stale")))  # an abandoned start's: dropped
+    board.fail_deals(old, failed(0, ValueError("stale")))  # an abandoned start's: dropped
     assert board.dealt(0, 2, wait_s=0) is None
     cause = ValueError("bad row (files ['part-2.parquet'])")
-    board.fail_deals(0, new, failed(0, cause))
+    board.fail_deals(new, failed(0, cause))
     for rank in (1, 2):  # every rank, each time it asks, whatever it was dealt before
         reply = board.dealt(0, rank, wait_s=0)
         assert reply == Failed(0, "ValueError: bad row (files ['part-2.parquet'])")

@@ -95,10 +95,10 @@ class Board:
             entry.ended = entry.ended or ended
             self._changed.notify_all()
 
-    def fail_deals(self, epoch: int, generation: int, failure: Failed) -> None:
-        """Rank 0's dealing of ``epoch`` (its start ``generation``) failed: see :class:`Failed`."""
+    def fail_deals(self, generation: int, failure: Failed) -> None:
+        """Rank 0's dealing of ``failure.epoch`` (its start ``generation``) failed: see :class:`Failed`."""
         with self._changed:
-            entry = self._dealt.get(epoch)
+            entry = self._dealt.get(failure.epoch)
             if entry is None or entry.generation != generation:
                 return  # an abandoned start of the epoch
             entry.failed = failure

@@ -102,7 +102,7 @@ def rank_zero(
 
     def fail(err: BaseException) -> None:
         with contextlib.suppress(Exception):  # best effort: the board may be gone
-            _call(board, "fail_deals", 0, epoch, epoch, generation, failed(epoch, err))
+            _call(board, "fail_deals", 0, epoch, generation, failed(epoch, err))
 
     holder = [work]  # nested in a list, the reference reaches the actors unresolved
     return DealingProducer(

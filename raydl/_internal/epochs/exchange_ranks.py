@@ -42,6 +42,17 @@ from raydl.errors import RayDLError
 FETCH_WAIT_S = 0.2
 
 
+def post_failure(board: Any, epoch: int, err: BaseException) -> None:
+    """Tell the ranks waiting on ``board`` that rank 0's map phase of ``epoch`` failed.
+
+    Best effort: the board may be gone (rank 0's loader closing).
+    """
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.get(board.fail_phase.remote(failed(epoch, err)))
+
+
 class RankZeroPhase:
     """Rank 0's map phase of ``epoch``: ``phase`` runs it on the actors, then the board gets it."""
 
@@ -63,9 +74,7 @@ class RankZeroPhase:
         except Stopped:
             raise  # the epoch was abandoned here: nothing failed
         except Exception as err:
-            # The other ranks wait on the board: tell them (best effort, the board may be gone).
-            with contextlib.suppress(Exception):
-                ray.get(self._board.fail_phase.remote(failed(self._epoch, err)))
+            post_failure(self._board, self._epoch, err)  # the other ranks wait on the board
             raise
         # Awaited, so that no rank can ask for the epoch before it is there to wait for.
         ref = self._board.post.remote(

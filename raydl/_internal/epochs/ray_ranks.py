@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from raydl._internal.epochs import deal_ranks
-from raydl._internal.epochs.board import failed, start_board
+from raydl._internal.epochs.board import start_board
 from raydl._internal.epochs.direct import DirectPlan
 from raydl._internal.epochs.elastic import batch_counts
 from raydl._internal.epochs.exchange import shares as exchange_shares
-from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase
+from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase, post_failure
 from raydl._internal.epochs.overlap import NextEpoch
 from raydl._internal.epochs.plan import EpochPlan
 from raydl._internal.epochs.record import EpochRecord, EpochStart, RankPlan
@@ -314,8 +314,7 @@ class RankEpochs:
                 work = ray.put(direct.work(plan.dataset.context))
                 run_phase, whole = self._map_phase(pool, work, direct)
             except Exception as err:  # the other ranks wait on the board for this map phase
-                with contextlib.suppress(Exception):
-                    ray.get(board.fail_phase.remote(failed(epoch, err)))
+                post_failure(board, epoch, err)
                 raise
             phase = RankZeroPhase(run_phase, direct.exchange, board, epoch)
             description = (

@@ -46,8 +46,8 @@ JOINER_RECONNECT_TIMEOUT_S = 5
 RANK0_START_TIMEOUT_S = 180
 #: What the worker processes of Ray Data work import as they start (``ensure_ray``'s
 #: ``preload``): raydl's direct actors and Ray Data's tasks unpickle the plan's Ray Data
-#: objects, which import ``ray.data`` (1.1 s of CPU on this project's 2-CPU machine,
-#: pandas included), so workers that import it while the script lists files and builds
+#: objects, which import ``ray.data`` (1.1 s in an actor on this project's 2-CPU
+#: machine, pandas included), so workers that import it while the script lists files and builds
 #: its loader are ready that much sooner (docs/design.md, "The cold path").
 RAY_DATA_WORKERS = ("ray.data",)
 _CLUSTER_KEY = "cluster"
