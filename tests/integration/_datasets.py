@@ -193,6 +193,8 @@ class SlowWorkerData(TensorData):
 class PageFaults(Dataset[int]):
     """Sample ``i``: the minor page faults of 20 rounds of eight 600 KB arrays, in the worker.
 
+    Counted for the loading thread alone (``RUSAGE_THREAD``).
+
     A decoded 224x224 float image and its temporaries are that size; raydl's actors
     keep freed memory for the next round (``workers/allocator.py``).
     """
@@ -207,11 +209,13 @@ class PageFaults(Dataset[int]):
             arrays = [np.ones(600 << 10, dtype=np.uint8) for _ in range(8)]
             del arrays
 
+        # This thread's faults only: the actor's other threads (Ray's core worker, gRPC)
+        # fault pages too, and on a loaded machine they once took the count past the bound.
         one_round()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         for _ in range(20):
             one_round()
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
 
 def collate_and_report_shared(samples: list[Any]) -> dict[str, torch.Tensor]:
