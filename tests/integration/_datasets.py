@@ -210,7 +210,7 @@ class PageFaults(Dataset[int]):
             del arrays
 
         # This thread's faults only: the actor's other threads (Ray's core worker, gRPC)
-        # fault pages too, and on a loaded machine they once took the count past the bound.
+        # fault pages too, which a loaded machine could push past the bound.
         one_round()
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         for _ in range(20):
