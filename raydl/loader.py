@@ -27,8 +27,7 @@ from raydl._internal.epochs.shuffle import seed_from_torch
 from raydl._internal.epochs.state import LoaderState
 from raydl._internal.epochs.torch_source import TorchSettings, TorchSource
 from raydl._internal.io import skips
-from raydl._internal.runtime import cluster
-from raydl._internal.runtime.startup import begin_for
+from raydl._internal.runtime.startup import begin_for, connect
 from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.device import CudaCopier, DeviceCopy, PinMemory, resolve_device
 from raydl._internal.stream.epoch_iterator import EpochIterator
@@ -251,6 +250,7 @@ class RayDataLoader(Iterable[Any]):
                     ray_address=ray_address,
                     timeout=timeout,
                     cpu_budget=self.options.cpu_budget,
+                    start_in_process=self.options.start_in_process,
                 ),
                 self._world,
             )
@@ -430,12 +430,8 @@ class RayDataLoader(Iterable[Any]):
             # schedule: it ends here. Otherwise it lives on independently, as in torch.
             self._close_iterator()
         startup, self._startup = self._startup, None
-        if startup is not None:
-            startup.wait()  # raises what the background start raised
-        if not self._source.in_process:
-            cluster.ensure_ray(
-                self.options.ray_address, world=self._world, preload=self._source.worker_modules
-            )
+        if not self._source.takes_start(startup):  # else the source waits when it needs Ray
+            connect(startup, self.options.ray_address, self._world, self._source.worker_modules)
         epoch = self._next_epoch
         resume, self._resume = self._resume, None
         self._expect(epoch + 1)

@@ -560,7 +560,7 @@ def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
         name="test-direct",
         calls=calls,
         local=local,
-        start=ActorStart("warm") if local is not None else None,
+        start=ActorStart("fetch", "warm") if local is not None else None,
     )
     return list(EpochIterator(producer, epoch=0)), producer
 
@@ -606,7 +606,7 @@ def test_when_the_actors_start_slower_than_the_epoch_it_all_loads_here() -> None
 def test_epochs_that_share_a_pool_send_its_warm_ups_once() -> None:
     from raydl._internal.stream.pool_producers import ActorStart
 
-    start, calls, pool = ActorStart("warm"), RunCalls(start_s=0.2), FakePool(2)
+    start, calls, pool = ActorStart("fetch", "warm"), RunCalls(start_s=0.2), FakePool(2)
     assert start.starting(pool, calls) and start.starting(pool, calls)  # never waits
     time.sleep(0.25)
     assert not start.starting(pool, calls)

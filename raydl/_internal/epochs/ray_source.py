@@ -103,6 +103,10 @@ class RaySource(RankEpochs):
     #: instance it starts has them import it as they start (``cluster.ensure_ray``).
     worker_modules = cluster.RAY_DATA_WORKERS
 
+    def takes_start(self, startup: Any) -> bool:
+        """``False``: the loader waits for its start before an epoch (plans are made on Ray)."""
+        return False
+
     def warm(self) -> Warm[None] | None:
         """What the loader's background start warms: epoch 0, started at construction.
 
@@ -327,7 +331,7 @@ class RaySource(RankEpochs):
         here = direct.work(plan.dataset.context)
         work = ray.put(here)
         if self._actor_start is None and settings.options.start_in_process:
-            self._actor_start = ActorStart(([work], WARM_UP))  # once per pool
+            self._actor_start = ActorStart("fetch", ([work], WARM_UP))  # once per pool
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
             exchange = direct.exchange

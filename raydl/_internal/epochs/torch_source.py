@@ -25,6 +25,7 @@ rank 0's): seed the ranks alike.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,19 +42,27 @@ from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
 from raydl._internal.runtime.cluster import is_connected
 from raydl._internal.runtime.env import cpu_budget_default
 from raydl._internal.runtime.env import ray_address as ray_address_env
-from raydl._internal.runtime.startup import Warm
+from raydl._internal.runtime.startup import BackgroundStart, Warm, connect
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.autotune import AutoTuner, worker_budget
 from raydl._internal.stream.batching import skip_consumed
+from raydl._internal.stream.dispatch import RayCalls
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.in_process import InProcessProducer, LengthWatch
-from raydl._internal.stream.pool_producers import IterableProducer, MapStyleProducer
+from raydl._internal.stream.pool_producers import (
+    FIRST_READY_WAIT_S,
+    ActorStart,
+    IterableProducer,
+    MapStyleProducer,
+)
 from raydl._internal.torch_args import (
     ITERABLE,
     TorchArgs,
     local_cpu_count,
     warn_excessive_workers,
 )
+from raydl._internal.workers.emulated import MAX_COPIED_BYTES, EmulatedWorkers
+from raydl._internal.workers.payload import pickle_payload
 from raydl._internal.workers.pool import WorkerPool
 from raydl._internal.workers.worker import WorkerSpec
 
@@ -73,6 +82,7 @@ class TorchSettings:
     ray_address: str | None = None
     timeout: float = 0
     cpu_budget: float | None = None  # num_workers="auto": see LoaderOptions.cpu_budget
+    start_in_process: bool = True  # see LoaderOptions.start_in_process
 
 
 class TorchSource:
@@ -92,6 +102,17 @@ class TorchSource:
         self._tuners: weakref.WeakKeyDictionary[WorkerPool, AutoTuner] = weakref.WeakKeyDictionary()
         self._last_tuner: AutoTuner | None = None  # of the last epoch started
         self._budget: int | None = None  # num_workers="auto": the most workers
+        # The loader's background start, until an epoch needs Ray (_connect).
+        self._startup: BackgroundStart | None = None
+        # The first pool's payload, shared by its trainer-side stand-ins (taken under the
+        # lock: the background start's thread pickles it too), and that pool.
+        self._payload_lock = threading.Lock()
+        self._first_payload: bytes | None = None
+        self._first_pool: weakref.ref[WorkerPool] | None = None
+        self._actor_starts: weakref.WeakKeyDictionary[WorkerPool, ActorStart] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._stand_ins: EmulatedWorkers | None = None  # persistent workers: until handed over
         if settings.args.auto_workers:
             self._cpus_checked = True  # the budget is within the CPUs: nothing to warn
         elif settings.num_workers > 0 and (is_connected() or settings.ray_address is None):
@@ -129,6 +150,21 @@ class TorchSource:
     def in_process(self) -> bool:
         """Epochs load in the training process (``num_workers=0``, as torch): no Ray."""
         return self._settings.num_workers == 0
+
+    def takes_start(self, startup: BackgroundStart | None) -> bool:
+        """Keep the loader's background start: an epoch waits for it only when it needs Ray.
+
+        A map-style epoch may load its first batches here while it goes on
+        (``start_in_process``, see :mod:`~raydl._internal.workers.emulated`).
+        """
+        if startup is not None:
+            self._startup = startup
+        return True
+
+    def _connect(self) -> None:
+        """Wait for the loader's start, raising its error, and make sure Ray is connected."""
+        startup, self._startup = self._startup, None
+        connect(startup, self._settings.ray_address, self._world, self.worker_modules)
 
     def warm(self) -> Warm[WorkerPool] | None:
         """What the loader's background start warms: the first epoch's actors.
@@ -222,7 +258,7 @@ class TorchSource:
             persistent = self._settings.persistent_workers
             record.order = {
                 **sampler_spec(args.sampler, args.batch_sampler),
-                "worker_seed_drawn": not (persistent and self._pool is not None),
+                "worker_seed_drawn": not (persistent and self._worker_seed is not None),
             }
             # torch draws the sampler iterator, then the workers' base seed, in this
             # order; persistent workers are seeded once, so torch draws it only once.
@@ -233,13 +269,23 @@ class TorchSource:
             return self._in_process_epoch(record, index_iter, length, resume, shared_seed)
         if not self._cpus_checked:
             self._check_cpus()
-        pool, on_close = self._epoch_pool(resume)
+        base_seed = self._epoch_seed(resume)
+        skip = resume.batches_consumed if resume is not None else 0
+        here = index_iter is not None and self._may_load_here(lookahead)
+        if here and self._startup is not None and not self._startup.done:
+            assert index_iter is not None
+            starting = self._before_the_pool(epoch, base_seed, skip_consumed(index_iter, skip))
+            if starting is not None:
+                record.worker_seed = self._worker_seed_of_record()
+                return EpochStart(starting, record, skip=skip, length=length)
+        self._connect()
+        pool, on_close = self._epoch_pool(base_seed)
+        stand_ins = self._stand_ins_for(pool, base_seed) if here else None
         if self._settings.timeout > 0:
             # torch's timeout bounds the wait for a batch, not for its workers' start
             # (torch starts its processes inside iter()): start them here too.
             pool.wait_ready()
-        record.worker_seed = self._worker_seed if self._settings.persistent_workers else None
-        skip = resume.batches_consumed if resume is not None else 0
+        record.worker_seed = self._worker_seed_of_record()
         prefetch = self._settings.prefetch
         producer: Producer
         if index_iter is None:
@@ -256,14 +302,17 @@ class TorchSource:
             # A resumed map-style epoch skips the consumed batches' indices: nothing is
             # fetched again.
             tuner = self._last_tuner = self._tuners.get(pool)
+            workers = len(pool) if stand_ins is None else stand_ins.spec.num_workers
             producer = MapStyleProducer(
                 pool,
                 skip_consumed(index_iter, skip),
-                lookahead=(tuner.depth if tuner is not None else prefetch * len(pool)) + lookahead,
+                lookahead=(tuner.depth if tuner is not None else prefetch * workers) + lookahead,
                 in_order=self._settings.in_order,
                 on_close=on_close,
                 tuner=tuner,
                 epoch=epoch,
+                here=stand_ins,
+                start_of=self._actor_start,
             )
         return EpochStart(producer, record, skip=skip, length=length)
 
@@ -325,25 +374,143 @@ class TorchSource:
 
     # -- workers --------------------------------------------------------------------
 
-    def _epoch_pool(
-        self, resume: LoaderState | None
-    ) -> tuple[WorkerPool, Callable[[], None] | None]:
-        """The epoch's pool, and what to do with it when the epoch ends."""
+    def _epoch_seed(self, resume: LoaderState | None) -> int:
+        """The base seed of the epoch's workers, drawn now where torch draws it.
+
+        Persistent workers are seeded once: their seed is drawn by the first epoch
+        (or comes from the resumed state) and kept.
+        """
         settings = self._settings
-        if settings.persistent_workers and self._pool is not None:
-            return self._pool, None
+        if settings.persistent_workers and self._worker_seed is not None:
+            return self._worker_seed
         if settings.persistent_workers and resume is not None and resume.worker_seed is not None:
             base_seed = resume.worker_seed  # drawn in the first epoch, not now
         else:
             base_seed = int(
                 torch.empty((), dtype=torch.int64).random_(generator=settings.generator).item()
             )
-        pool = self._fresh_pool(base_seed)
         if settings.persistent_workers:
             self._worker_seed = base_seed
-            self._pool = pool
-            return pool, None
+        return base_seed
+
+    def _worker_seed_of_record(self) -> int | None:
+        return self._worker_seed if self._settings.persistent_workers else None
+
+    def _epoch_pool(self, base_seed: int) -> tuple[WorkerPool, Callable[[], None] | None]:
+        """The epoch's pool, and what to do with it when the epoch ends (Ray is connected)."""
+        if self._settings.persistent_workers:
+            if self._pool is None:
+                self._pool = self._fresh_pool(base_seed)
+            return self._pool, None
+        pool = self._fresh_pool(base_seed)
         return pool, lambda: self._park(pool)
+
+    # -- the first batches, loaded here while the actors start ---------------------------
+
+    def _may_load_here(self, lookahead: int) -> bool:
+        """Whether a map-style epoch may load batches here while its actors start.
+
+        Not with a ``worker_init_fn`` (it would run in the trainer), ``num_workers="auto"``
+        (its first worker is started at once), torch's ``timeout`` (it starts the
+        workers first), nor a device copy stage (``lookahead > 0``: that stage takes
+        the batches on its own thread, and the stand-ins must load on the trainer's).
+        """
+        settings = self._settings
+        return (
+            settings.start_in_process
+            and settings.worker_init_fn is None
+            and not self._auto
+            and settings.timeout == 0
+            and lookahead == 0
+        )
+
+    def _before_the_pool(
+        self, epoch: int, base_seed: int, index_iter: Iterator[Any]
+    ) -> MapStyleProducer | None:
+        """A map-style epoch started while the loader's start still makes its pool.
+
+        Its first batches load here; the trainer's thread takes the pool once the
+        start has ended (the producer's ``acquire``, which raises the start's error).
+        ``None``: no stand-ins (the dataset is too large to copy here).
+        """
+        settings = self._settings
+        stand_ins = self._stand_ins_for(None, base_seed)
+        if stand_ins is None:
+            return None
+        taken: list[WorkerPool] = []
+
+        def acquire() -> WorkerPool | None:
+            if self._startup is not None and not self._startup.done:
+                return None
+            self._connect()
+            pool, _ = self._epoch_pool(base_seed)
+            taken.append(pool)
+            return pool
+
+        def release() -> None:
+            if taken and not settings.persistent_workers:
+                self._park(taken[0])
+
+        return MapStyleProducer(
+            None,
+            index_iter,
+            lookahead=settings.prefetch * stand_ins.spec.num_workers,
+            in_order=settings.in_order,
+            on_close=release,
+            epoch=epoch,
+            here=stand_ins,
+            start_of=self._actor_start,
+            acquire=acquire,
+        )
+
+    def _stand_ins_for(self, pool: WorkerPool | None, base_seed: int) -> EmulatedWorkers | None:
+        """The trainer's stand-ins for ``pool``'s workers (``None``: the pool to come), if useful.
+
+        ``None`` when its actors are up, when the pool is not the loader's first
+        (only the first start is waited on), or when the dataset is too large to
+        copy here (:data:`~raydl._internal.workers.emulated.MAX_COPIED_BYTES`).
+        """
+        persistent = self._settings.persistent_workers
+        if persistent and self._stand_ins is not None:
+            return None if self._stand_ins.handed_over else self._stand_ins
+        if pool is not None:
+            first = self._first_pool() if self._first_pool is not None else None
+            if pool is not first:
+                return None
+            if not self._actor_start(pool).starting(
+                pool, RayCalls(), first_wait=FIRST_READY_WAIT_S
+            ):
+                return None
+        elif self._first_pool is not None:
+            return None  # the first pool is gone: a later one starts on its actors
+        spec = self._spec(base_seed)
+        payload = self._payload()
+        if payload is None or len(payload) * spec.num_workers > MAX_COPIED_BYTES:
+            return None
+        stand_ins = EmulatedWorkers(payload, spec)
+        if persistent:
+            self._stand_ins = stand_ins
+        return stand_ins
+
+    def _payload(self) -> bytes | None:
+        """The first pool's pickled dataset, pickled now if nobody has; ``None`` once it is made."""
+        with self._payload_lock:
+            if self._first_pool is not None:
+                return self._first_payload
+            if self._first_payload is None:
+                self._first_payload = self._pickle()
+            return self._first_payload
+
+    def _pickle(self) -> bytes:
+        settings = self._settings
+        return pickle_payload(self._dataset, settings.worker_init_fn, self._args.collate_fn)
+
+    def _actor_start(self, pool: WorkerPool) -> ActorStart:
+        """Whether ``pool``'s actors answered ``ready`` (asked once per pool)."""
+        start = self._actor_starts.get(pool)
+        if start is None:
+            start = self._actor_starts[pool] = ActorStart("ready")
+        return start
 
     def _fresh_pool(self, base_seed: int) -> WorkerPool:
         """A pool whose workers are new for this epoch: a parked one reset, or a new one."""
@@ -356,14 +523,24 @@ class TorchSource:
 
     def _new_pool(self, spec: WorkerSpec, *, ahead: bool = False) -> WorkerPool:
         tuner = self._new_tuner(spec) if self._auto else None
-        pool = WorkerPool(
-            self._dataset,
-            spec,
-            restartable=not self._iterable,
-            options=self._settings.worker_options,
-            ahead=ahead,
-            start=tuner.started if tuner is not None else None,
-        )
+        with self._payload_lock:  # the first pool: the bytes its stand-ins load from
+            first = self._first_pool is None
+            if first and self._first_payload is None:
+                self._first_payload = self._pickle()
+            payload = self._first_payload if first else None
+            if first and len(payload or b"") * spec.num_workers > MAX_COPIED_BYTES:
+                self._first_payload = None  # too large to copy here: nobody loads from it
+            pool = WorkerPool(
+                self._dataset,
+                spec,
+                restartable=not self._iterable,
+                options=self._settings.worker_options,
+                ahead=ahead,
+                start=tuner.started if tuner is not None else None,
+                payload=payload,
+            )
+            if first:
+                self._first_pool = weakref.ref(pool)
         if tuner is not None:
             self._tuners[pool] = tuner
         return pool
@@ -434,7 +611,11 @@ class TorchSource:
 
     def close(self) -> None:
         """Stop every actor of this source (the next epoch starts new ones)."""
+        startup, self._startup = self._startup, None
+        if startup is not None:
+            startup.cancel()
         pool, self._pool = self._pool, None
+        self._worker_seed = self._stand_ins = None  # the next epoch's workers are new
         parked, self._parked = self._parked, []
         for each in [pool, *parked]:
             if each is not None:

@@ -16,14 +16,19 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
   which the raylet passes to every worker process it starts as
   ``--worker-preload-modules`` (:func:`preloading`);
 * the module ``ray.data._internal.progress``, whose logger announces that progress
-  bars are off.
+  bars are off;
+* Ray's driver-side modules that draw from Python's global ``random`` (ports, ids,
+  retry jitter; :data:`RANDOM_USERS`), which :func:`private_random` points elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import inspect
+import random
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -34,6 +39,7 @@ __all__ = [
     "in_worker",
     "lean_head",
     "preloading",
+    "private_random",
     "raylet_env",
     "reload_config",
 ]
@@ -135,6 +141,39 @@ def preloading(modules: Sequence[str]) -> dict[str, Any]:
         {}
     """
     return {"_system_config": {"preload_python_modules": list(modules)}} if modules else {}
+
+
+#: Ray's modules that draw from Python's global ``random`` in a driver: a port
+#: (``node``), the id of each subscriber to the GCS (``gcs_pubsub``, 28 draws), retry
+#: jitter, event ids.
+RANDOM_USERS = (
+    "ray._private.node",
+    "ray._private.gcs_pubsub",
+    "ray._common.retry",
+    "ray._private.event.event_logger",
+    "ray._private.event.export_event_logger",
+)
+
+
+def private_random() -> None:
+    """Have Ray's modules in this process draw from their own ``random.Random``.
+
+    A training script seeds Python's ``random`` for its own draws; torch's
+    ``DataLoader`` never draws from it there. Ray's driver does (:data:`RANDOM_USERS`),
+    while it starts and when it retries: from the loader's background start that
+    means at moments that vary from run to run, so the script's stream would depend
+    on timing; and the trainer's stand-ins for a pool's workers
+    (``workers/emulated.py``), which swap a worker's state in, would lose draws to
+    it. Every module of Ray imported now whose global ``random`` is Python's gets
+    one instance of its own instead (the same methods; seeded from the OS).
+    """
+    own = random.Random()
+    for name in RANDOM_USERS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    for name, module in list(sys.modules.items()):
+        if (name == "ray" or name.startswith("ray.")) and getattr(module, "random", None) is random:
+            module.random = own  # type: ignore[attr-defined]
 
 
 def in_worker() -> bool:

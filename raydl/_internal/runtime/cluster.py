@@ -152,11 +152,12 @@ def _ensure_ray(
         token_auth = env.ensure_token_auth_mode()
         import ray
 
+        from raydl._internal.ray_compat import cluster as ray_core
+
+        ray_core.private_random()  # Ray's draws leave the script's random stream alone
         if token_auth:
             # Ray caches its config when it is imported; re-read it so that a
             # RAY_AUTH_MODE set just now (after an earlier `import ray`) applies.
-            from raydl._internal.ray_compat import cluster as ray_core
-
             ray_core.reload_config()
         common: dict[str, Any] = {
             "logging_level": logging.WARNING,

@@ -32,7 +32,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from raydl._internal.runtime import cluster
 from raydl._internal.runtime.world import World
 
-__all__ = ["BackgroundStart", "Warm", "begin_for"]
+__all__ = ["BackgroundStart", "Warm", "begin_for", "connect"]
 
 T = TypeVar("T")
 
@@ -139,6 +139,15 @@ class Warmable(Protocol):
     def worker_modules(self) -> tuple[str, ...]:
         """What its Ray workers import, for an embedded instance to preload (``ensure_ray``)."""
         ...
+
+
+def connect(
+    startup: BackgroundStart | None, address: str | None, world: World, preload: tuple[str, ...]
+) -> None:
+    """Wait for ``startup`` (raising its error), then make sure this process is on Ray."""
+    if startup is not None:
+        startup.wait()
+    cluster.ensure_ray(address, world=world, preload=preload)
 
 
 def begin_for(

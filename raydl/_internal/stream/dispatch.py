@@ -179,6 +179,8 @@ class Dispatcher:
         describe: Names a request's argument in an error ("indices [3, 4]").
         between: Called while a wait goes on (it may raise to stop the wait).
         retries: Times one request is re-sent after its worker died.
+        first_worker: The worker of the first request (the epoch's earlier ones went
+            elsewhere: the trainer loaded them while the actors started).
     """
 
     def __init__(
@@ -190,6 +192,7 @@ class Dispatcher:
         describe: Callable[[Any], str],
         between: Callable[[], None],
         retries: int = MAX_TASK_RETRIES,
+        first_worker: int = 0,
     ) -> None:
         self._pool = pool
         self._calls = calls
@@ -198,7 +201,7 @@ class Dispatcher:
         self._between = between
         self._retries = retries
         self._pending: deque[_Request] = deque()
-        self._next_worker = 0
+        self._next_worker = first_worker
         #: Send only to the first ``width`` workers (``None``: all); ``num_workers="auto"``
         #: widens it as new workers answer, or narrows it back (their requests still come).
         self.width: int | None = None

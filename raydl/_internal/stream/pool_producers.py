@@ -41,6 +41,7 @@ from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, ItemError, Stopped
 from raydl._internal.stream.in_process import LengthWatch
 from raydl._internal.workers.convert import numpy_to_tensors, owned_blocks
+from raydl._internal.workers.emulated import EmulatedWorkers
 from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.worker import EXHAUSTED, InitError, describe_indices, killed_by
 from raydl.errors import WorkerDiedError
@@ -110,6 +111,28 @@ class _Taken:
         self.waited, self.at = waited, at
 
 
+class _PoolReady:
+    """The trainer's message that the epoch's pool exists now (its start ended)."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+
+#: The trainer's message that it loaded one of the batches handed to it to load.
+_LOADED_HERE = object()
+
+
+class LoadHere:
+    """A batch the trainer loads itself, as worker ``worker_id`` (its actors still start)."""
+
+    __slots__ = ("indices", "worker_id")
+
+    def __init__(self, indices: Any, worker_id: int) -> None:
+        self.indices, self.worker_id = indices, worker_id
+
+
 class MapStyleProducer(_PoolProducer):
     """A map-style epoch: the trainer draws index batches, a fetch thread loads them.
 
@@ -129,11 +152,22 @@ class MapStyleProducer(_PoolProducer):
     taken, starts the workers the rule asks for (``pool.add()``) and sends to a
     new one only once it answers ``ready``. Which worker loads a batch changes;
     which indices make the batch, and its place in the epoch, do not.
+
+    With ``here`` (the pool's :class:`~raydl._internal.workers.emulated.EmulatedWorkers`)
+    and ``start_of`` (a pool's :class:`ActorStart`), the first batches load in the trainer
+    while the actors start: until the pool exists (``pool=None``: the trainer's
+    ``acquire()`` returns it once the loader's start has made it; it may raise that
+    start's error) and every actor answered ``ready``, the fetch thread hands each
+    request over as a :class:`LoadHere`, which :meth:`deliver` loads on the
+    trainer's thread as worker ``k % num_workers`` would. Then it holds the requests
+    until the trainer has loaded those, hands each worker's RNG states to its actor
+    (``continue_from``) and sends the rest round-robin from the next worker on, so
+    every batch comes from the worker torch would have used, with the same draws.
     """
 
     def __init__(
         self,
-        pool: Pool,
+        pool: Pool | None,
         index_iter: Iterator[Any],
         *,
         lookahead: int,
@@ -142,30 +176,38 @@ class MapStyleProducer(_PoolProducer):
         calls: Calls | None = None,
         tuner: AutoTuner | None = None,
         epoch: int = 0,
+        here: EmulatedWorkers | None = None,
+        start_of: Callable[[Any], ActorStart] | None = None,
+        acquire: Callable[[], Pool | None] | None = None,
     ) -> None:
         super().__init__(on_close)
+        assert tuner is None or here is None, "num_workers='auto' starts on its actors"
         self.handoff = Handoff()  # bounded by the requests the trainer makes
         self._index_iter = index_iter
         self._in_order = in_order
         self._sampler_done = False
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._requests_ended = False
-        self._pool = pool
         self._calls = calls or RayCalls()
-        self._dispatch = Dispatcher(
-            pool,
-            self._calls,
-            method="fetch",
-            describe=describe_indices,
-            between=self._between,
-        )
+        self._pool: Pool | None = None
+        self._dispatch: Dispatcher | None = None
+        self._here = here if start_of is not None else None  # the fetch thread's, once started
+        self._stand_ins = self._here  # the trainer's
+        self._start_of = start_of
+        self.loaded_here = 0  # batches the trainer loaded (its thread)
+        self._acquire = acquire
+        self._handed_here = 0  # LoadHere items handed over (fetch thread)
+        self._loaded_here = 0  # of which the trainer said it loaded (fetch thread)
         self._tuner = tuner
         self._held: deque[Any] = deque()  # requests not sent yet (the tuner's depth)
         self._sent = self._taken = 0
         self._extra = 0  # requests a device copy stage holds, on top of the tuner's depth
         self._starting: deque[tuple[int, Any]] = deque()  # (worker id, its `ready` reply)
         self._asked = 0
+        if pool is not None:
+            self._set_pool(pool)
         if tuner is not None:
+            assert self._dispatch is not None
             tuner.start_epoch(epoch)
             self._dispatch.width = tuner.workers
             self._asked = tuner.workers  # the next worker to ask `ready` of, once wanted
@@ -176,6 +218,43 @@ class MapStyleProducer(_PoolProducer):
         self.handoff.start(
             self._loop, name="raydl-map-style-fetcher", describe_error=in_torch_words
         )
+
+    def _set_pool(self, pool: Pool) -> None:
+        self._pool = pool
+        if self._here is None:
+            self._dispatch = self._dispatcher(first_worker=0)
+
+    def _dispatcher(self, first_worker: int) -> Dispatcher:
+        assert self._pool is not None
+        return Dispatcher(
+            self._pool,
+            self._calls,
+            method="fetch",
+            describe=describe_indices,
+            between=self._between,
+            first_worker=first_worker,
+        )
+
+    def summary(self) -> str | None:
+        if not self.loaded_here:
+            return None
+        return f"{self.loaded_here} batches loaded in the training process while the actors started"
+
+    # -- the trainer's thread ---------------------------------------------------------
+
+    def deliver(self, item: Any) -> Any:
+        if self._acquire is not None:
+            pool = self._acquire()  # raises the start's error
+            if pool is not None:
+                self._acquire = None
+                self._requests.put(_PoolReady(pool))
+        if not isinstance(item, LoadHere):
+            return item
+        assert self._stand_ins is not None
+        batch = self._stand_ins.fetch(item.indices, item.worker_id)
+        self.loaded_here += 1
+        self._requests.put(_LOADED_HERE)
+        return ItemError(batch) if isinstance(batch, RemoteError) else batch
 
     def taken(self, waited: float) -> None:
         if self._tuner is not None:
@@ -200,6 +279,8 @@ class MapStyleProducer(_PoolProducer):
         while True:
             self._take_requests(block=not self._dispatch)
             if not self._dispatch:
+                # Every request handed over (to the trainer, or collected): done. Requests
+                # held while the trainer loads its last ones wait for the actors.
                 if self._requests_ended and not self._held:
                     return
                 continue
@@ -214,6 +295,7 @@ class MapStyleProducer(_PoolProducer):
         while True:
             self._check_stop()  # closing: start no more tasks
             self._tune()
+            self._leave_here()
             if self._requests_ended and not self._held:
                 block = False  # only the trainer's waits can still come: nothing to wait for
             try:
@@ -223,24 +305,64 @@ class MapStyleProducer(_PoolProducer):
             except queue.Empty:
                 if block and not self._requests_ended:
                     continue  # the loop's head looks at stop
+                if block and self._here is not None:
+                    continue  # held requests wait for the trainer's loads
                 return
             if isinstance(message, _Taken):
                 self._taken += 1
                 assert self._tuner is not None
                 self._tuner.observe(waited=message.waited, at=message.at)
                 self._send_held()
+            elif isinstance(message, _PoolReady):
+                self._set_pool(message.pool)
+            elif message is _LOADED_HERE:
+                self._loaded_here += 1
             elif message is END_OF_REQUESTS:
                 self._requests_ended = True
+            elif self._loads_here():
+                assert self._here is not None
+                worker_id = self._handed_here % self._here.spec.num_workers
+                self._handed_here += 1
+                self.handoff.put(LoadHere(message, worker_id))
             else:
                 self._held.append(message)
                 self._send_held()
             block = False
 
     def _send_held(self) -> None:
+        if self._dispatch is None:
+            return  # still handing requests over to the trainer
         depth = self._tuner.depth + self._extra if self._tuner is not None else None
         while self._held and (depth is None or self._sent - self._taken < depth):
             self._dispatch.send(self._held.popleft())
             self._sent += 1
+
+    # -- the first batches, loaded by the trainer -------------------------------------
+
+    def _loads_here(self) -> bool:
+        """Whether the next request goes to the trainer: the pool's actors still start."""
+        if self._here is None or self._held:
+            return False
+        if self._pool is None:
+            return True
+        assert self._start_of is not None
+        start = self._start_of(self._pool)
+        return start.starting(self._pool, self._calls, first_wait=FIRST_READY_WAIT_S)
+
+    def _leave_here(self) -> None:
+        """Once the trainer loaded what it was handed and the actors are up, go to them."""
+        here = self._here
+        if here is None or self._pool is None or self._loads_here():
+            return
+        if self._loaded_here < self._handed_here:
+            return  # its RNG states are final only once it loaded them all
+        actors = self._pool.actors
+        for worker_id, states in here.handover().items():
+            if worker_id < len(actors):
+                self._calls.submit(actors[worker_id], "continue_from", states)
+        self._dispatch = self._dispatcher(first_worker=self._handed_here % here.spec.num_workers)
+        self._here = None
+        self._send_held()
 
     # -- num_workers="auto" -----------------------------------------------------------
 
@@ -249,7 +371,8 @@ class MapStyleProducer(_PoolProducer):
         tuner = self._tuner
         if tuner is None:
             return
-        pool = self._pool
+        pool, dispatch = self._pool, self._dispatch
+        assert pool is not None and dispatch is not None
         while len(pool.actors) < tuner.started:
             pool.add()  # type: ignore[attr-defined]  # a WorkerPool
         actors = pool.actors  # once: kill() may swap the list meanwhile
@@ -267,9 +390,14 @@ class MapStyleProducer(_PoolProducer):
                 break
             self._starting.popleft()
             tuner.admitted(worker_id + 1, at=time.perf_counter())
-        if self._dispatch.width != tuner.workers:
-            self._dispatch.width = tuner.workers
+        if dispatch.width != tuner.workers:
+            dispatch.width = tuner.workers
         self._send_held()
+
+
+#: How long the first look at a pool's actors waits for their ``ready``: actors that are
+#: up answer within milliseconds and should get the epoch's first requests.
+FIRST_READY_WAIT_S = 0.05
 
 
 class IterableProducer(_PoolProducer):
@@ -472,19 +600,29 @@ class ActorStart:
 
     Shared by the epochs of one pool, so that an epoch started while the actors
     still start (the next one, started early) loads here too, and the warm-ups
-    go once: the first ask sends ``warm_up`` to every actor.
+    go once: the first ask sends the warm-up call (``method(*args)``) to every actor.
     """
 
-    def __init__(self, warm_up: Any) -> None:
-        self._warm_up = warm_up
+    def __init__(self, method: str, *args: Any) -> None:
+        self._call = (method, *args)
         self._waiting: list[Any] | None = None  # warm-ups not answered yet
         self._lock = threading.Lock()
 
-    def starting(self, pool: Pool, calls: Calls) -> bool:
-        """Whether some actor of ``pool`` has not answered its warm-up yet."""
+    def starting(self, pool: Pool, calls: Calls, *, first_wait: float = 0.0) -> bool:
+        """Whether some actor of ``pool`` has not answered its warm-up (``method(*args)``) yet.
+
+        ``first_wait``: at the first ask, wait that long for the answers (actors
+        that are up answer within milliseconds; that should not count as starting).
+        """
         with self._lock:
             if self._waiting is None:
-                self._waiting = [calls.submit(a, "fetch", self._warm_up) for a in pool.actors]
+                self._waiting = [calls.submit(a, *self._call) for a in pool.actors]
+                deadline = time.perf_counter() + first_wait
+                while self._waiting and time.perf_counter() < deadline:
+                    calls.wait(
+                        self._waiting, min(SLICE_S, max(0.0, deadline - time.perf_counter()))
+                    )
+                    self._waiting = [ref for ref in self._waiting if not _answered(calls, ref)]
             self._waiting = [ref for ref in self._waiting if not _answered(calls, ref)]
             return bool(self._waiting)
 

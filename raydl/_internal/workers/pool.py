@@ -64,6 +64,7 @@ class WorkerPool:
         options: Mapping[str, Any] | None = None,
         ahead: bool = False,
         start: int | None = None,
+        payload: bytes | None = None,
     ) -> None:
         """Start ``spec.num_workers`` actors over ``dataset`` (``start`` of them, when given):
         a torch dataset, or the direct path's ``RunLoader`` (no torch needed in the actors).
@@ -73,6 +74,8 @@ class WorkerPool:
         spec at :meth:`reset`, which must come before any fetch. ``start``: fewer
         actors for now (``num_workers="auto"``: ``spec.num_workers`` is the budget,
         what ``get_worker_info().num_workers`` says; :meth:`add` starts the others).
+        ``payload``: the dataset already pickled (``workers/payload.py``), when the
+        trainer's stand-ins for these workers load from the same bytes.
         """
         import ray
 
@@ -81,7 +84,8 @@ class WorkerPool:
         # One payload (see the module docstring). Nested in a list, the reference
         # reaches the actor unresolved: the actor unpickles its own writable copy.
         # Pickled before Ray is asked anything: what cannot travel is named (payload.py).
-        payload = pickle_payload(dataset, spec.worker_init_fn, spec.collate_fn)
+        if payload is None:
+            payload = pickle_payload(dataset, spec.worker_init_fn, spec.collate_fn)
         self._dataset_ref = ray.put(payload)
         self._actor_cls = ray.remote(DatasetWorker).options(**actor_options)
         self.spec = _without_functions(spec)

@@ -294,24 +294,22 @@ class DatasetWorker:
         """Load and collate one batch of a map-style dataset (or one sample without batching)."""
         if self._init_error is not None:
             return self._init_error
-        spec = self._spec
         try:
-            if spec.auto_collation:
-                assert not isinstance(indices, int)
-                getitems = getattr(self._dataset, "__getitems__", None)
-                if getitems is not None:
-                    data = getitems(list(indices))
-                else:
-                    data = [self._dataset[i] for i in indices]
-            else:
-                data = self._dataset[indices]
-            if self._collate_fn is not None:
-                data = self._collate_fn(data)
+            data = load_batch(self._dataset, self._collate_fn, self._spec.auto_collation, indices)
         except Exception:
             return RemoteError(
                 where=f"in Ray worker {self._id} while loading {describe_indices(indices)}"
             )
         return _for_transport(data)
+
+    def continue_from(self, rng: RngStates) -> None:
+        """Take up the RNG states where the trainer's stand-in for this worker left them.
+
+        While the actors started, the trainer loaded this worker's first batches in
+        its place (``workers/emulated.py``), from the same seeds; the worker's next
+        draw is the one it would have made had it loaded them itself.
+        """
+        rng.apply()
 
     def start_iteration(self, shared_seed: int | None = None) -> None:
         """Begin a fresh pass over an ``IterableDataset`` (one per epoch).
@@ -364,6 +362,76 @@ class DatasetWorker:
         except Exception:
             return RemoteError(where=f"in Ray worker {self._id} while iterating the dataset")
         return _for_transport(data)
+
+
+def load_batch(
+    dataset: Any,
+    collate_fn: Callable[[Any], Any] | None,
+    auto_collation: bool,
+    indices: Sequence[int] | int,
+    *,
+    collate_as: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Any:
+    """One batch of a map-style dataset, as torch's ``_MapDatasetFetcher`` loads it.
+
+    ``__getitems__`` when the dataset has it, else one ``__getitem__`` per index;
+    then ``collate_fn`` (inside ``collate_as()``). Exceptions propagate.
+    """
+    if auto_collation:
+        assert not isinstance(indices, int)
+        getitems = getattr(dataset, "__getitems__", None)
+        data = getitems(list(indices)) if getitems is not None else [dataset[i] for i in indices]
+    else:
+        data = dataset[indices]
+    if collate_fn is not None:
+        with collate_as():
+            data = collate_fn(data)
+    return data
+
+
+@dataclass
+class RngStates:
+    """The states of a process's global RNGs that torch seeds in a worker: Python's, numpy's, torch's.
+
+    ``torch`` is ``None`` in a process without torch (the direct path's actors).
+    """
+
+    python: Any
+    numpy: Any
+    torch: Any = None
+
+    @classmethod
+    def current(cls) -> RngStates:
+        """This process's states now."""
+        torch = sys.modules.get("torch")
+        return cls(
+            random.getstate(),
+            np.random.get_state(),
+            None if torch is None else torch.get_rng_state(),
+        )
+
+    @classmethod
+    def seeded(cls, base_seed: int, worker_id: int) -> RngStates:
+        """The states a torch worker ``worker_id`` starts with (see :func:`_seed_torch`)."""
+        import torch
+        from torch.utils.data._utils import worker as torch_worker
+
+        seed = base_seed + worker_id
+        numpy_seed = torch_worker._generate_state(base_seed, worker_id)
+        return cls(
+            random.Random(seed).getstate(),
+            np.random.RandomState(numpy_seed).get_state(),
+            torch.Generator().manual_seed(seed).get_state(),
+        )
+
+    def apply(self) -> None:
+        """Make these this process's states (torch's CPU generator only)."""
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        if self.torch is not None:
+            import torch
+
+            torch.set_rng_state(self.torch)
 
 
 def _seed_torch(spec: WorkerSpec, worker_id: int, dataset: Any) -> None:
