@@ -224,3 +224,26 @@ def collate_and_report_shared(samples: list[Any]) -> dict[str, torch.Tensor]:
 
     out = default_collate(samples)
     return {"x": out, "shared": torch.tensor(out.is_shared())}
+
+
+class RandomDraws(Dataset[dict[str, Any]]):
+    """Sample ``i``: draws from the worker's torch, numpy and Python RNGs, its worker id and pid.
+
+    A dataset whose random augmentations come from the worker's RNGs, as torch seeds them.
+    """
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        import random
+
+        info = get_worker_info()
+        return {
+            "index": index,
+            "torch": torch.rand(2),
+            "python": random.random(),
+            "numpy": np.random.rand(),
+            "worker": -1 if info is None else info.id,
+            "pid": os.getpid(),
+        }

@@ -164,7 +164,13 @@ def test_abandoned_iterator_non_persistent() -> None:
 @pytest.mark.timeout(120)
 def test_break_releases_non_persistent_workers() -> None:
     options = {"num_cpus": 1}  # so the actors show up in available_resources
-    loader = RayDataLoader(WorkerInfoData(20), batch_size=2, num_workers=1, worker_options=options)
+    loader = RayDataLoader(  # every batch from the actor, whose process this test follows
+        WorkerInfoData(20),
+        batch_size=2,
+        num_workers=1,
+        worker_options=options,
+        start_in_process=False,
+    )
     pids = set()
     for i, batch in enumerate(loader):
         pids.update(batch["pid"].tolist())
@@ -188,6 +194,7 @@ def test_close_releases_workers() -> None:
         num_workers=1,
         persistent_workers=True,
         worker_options={"num_cpus": 1},
+        start_in_process=False,  # every batch from the actor, whose process this test follows
     )
     pids = {next(iter(loader))["pid"][0].item()}
     list(loader)
@@ -200,9 +207,15 @@ def test_close_releases_workers() -> None:
 
 @pytest.mark.timeout(90)
 def test_persistent_workers_keep_their_process() -> None:
-    loader = RayDataLoader(WorkerInfoData(4), batch_size=2, num_workers=1, persistent_workers=True)
+    loader = RayDataLoader(  # every batch from the actor (none loaded in the trainer)
+        WorkerInfoData(4),
+        batch_size=2,
+        num_workers=1,
+        persistent_workers=True,
+        start_in_process=False,
+    )
     pids = [{p for b in loader for p in b["pid"].tolist()} for _ in range(2)]
-    assert pids[0] == pids[1]
+    assert pids[0] == pids[1] and os.getpid() not in pids[0]
     loader.close()
 
 
@@ -354,7 +367,11 @@ def test_persistent_workers_draw_rng_like_torch() -> None:
 
 @pytest.mark.timeout(120)
 def test_poison_sample_raises_worker_died_error() -> None:
-    loader = RayDataLoader(PoisonData(8, poison=5), batch_size=2, num_workers=1)
+    # On the actor from the first batch: loaded in the trainer while the actor starts
+    # (start_in_process), the poison would end this process, as with num_workers=0.
+    loader = RayDataLoader(
+        PoisonData(8, poison=5), batch_size=2, num_workers=1, start_in_process=False
+    )
     started = time.monotonic()
     with pytest.raises(raydl.WorkerDiedError, match=r"\[4, 5\]"):
         list(loader)
@@ -365,7 +382,9 @@ def test_poison_sample_raises_worker_died_error() -> None:
 @pytest.mark.timeout(120)
 def test_worker_killed_once_delivers_every_sample_once(tmp_path: Path) -> None:
     data = DieOnceData(20, victim=9, marker=tmp_path / "died")
-    loader = RayDataLoader(data, batch_size=3, num_workers=2, persistent_workers=True)
+    loader = RayDataLoader(
+        data, batch_size=3, num_workers=2, persistent_workers=True, start_in_process=False
+    )  # every batch on the actors (see above)
     epoch = list(loader)
     assert (tmp_path / "died").exists()  # the worker really died
     assert _ids(epoch) == list(range(20))  # in order, nothing lost, nothing twice

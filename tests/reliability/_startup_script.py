@@ -5,7 +5,9 @@ Usage: ``python _startup_script.py MODE RECORD``; prints progress lines (``built
 
 Modes:
     gated: ``ray.init`` waits for a gate, so the test sees construction return
-        while Ray is still starting; then one epoch.
+        while Ray is still starting, and the first batch come while it is held (it
+        loads in this process); then epochs until the actor took over, and whether
+        the script's seeded ``random`` stream came through all that untouched.
     epochs: build, iterate ``--epochs`` epochs slowly (for Ctrl-C at any moment).
     dropped: build a loader over a raydl read, let its start finish (``warm``),
         drop it when told on stdin (``dropped``).
@@ -30,7 +32,13 @@ def _say(line: str) -> None:
 
 
 def gated(record: dict) -> None:
+    import random
+
     import ray
+
+    random.seed(5)  # the script's own stream: neither Ray's start nor raydl draws from it
+    expected = [random.random() for _ in range(3)]
+    random.seed(5)
 
     real_init, gate = ray.init, threading.Event()
 
@@ -47,10 +55,21 @@ def gated(record: dict) -> None:
     record["construction_s"] = time.perf_counter() - began
     record["initialized_after_construction"] = ray.is_initialized()
     record["start_running"] = loader._startup is not None and not loader._startup.done
+    epoch = iter(loader)
+    batches = [next(epoch).tolist()]  # loaded here (start_in_process): Ray is not needed yet
+    record["ray_held_at_first_batch"] = not gate.is_set() and not ray.is_initialized()
     gate.set()
-    record["batches"] = [b.tolist() for b in loader]
-    record["initialized_after_iter"] = ray.is_initialized()
+    record["batches"] = batches + [b.tolist() for b in epoch]
+    for _ in range(600):  # until an epoch that loaded nothing here: the actor took over
+        summary = loader.stats()["epochs"][-1]["ray_data"]
+        if summary is None:
+            break
+        time.sleep(0.1)
+        list(loader)
+    record["on_the_actor_at_last"] = summary is None
+    record["initialized_at_last"] = ray.is_initialized()
     loader.close()
+    record["scripts_random_stream_kept"] = [random.random() for _ in range(3)] == expected
 
 
 def epochs(record: dict, count: int) -> None:

@@ -102,7 +102,8 @@ def test_construction_returns_while_ray_starts_then_a_dropped_loader_leaves_no_r
     """Two checks in one process, one Ray start (``gated_then_dropped``).
 
     First a map-style loader built while ``ray.init`` is held back: construction
-    returns before Ray is up, ``iter()`` waits for it. Then, once that loader is
+    returns before Ray is up, and its first batch comes while Ray is still held
+    (loaded in the trainer, ``start_in_process``); later epochs are the actor's. Then, once that loader is
     closed and its actor gone, a loader over a raydl read whose background start
     begins epoch 0 on raydl's actors, unasked: dropped, it leaves no actor behind.
     """
@@ -129,7 +130,11 @@ def test_construction_returns_while_ray_starts_then_a_dropped_loader_leaves_no_r
     # ray.init was held back by the script: construction returned before it ran.
     assert seen["initialized_after_construction"] is False
     assert seen["start_running"] is True
-    assert seen["initialized_after_iter"] is True
+    assert seen["ray_held_at_first_batch"] is True
+    assert seen["on_the_actor_at_last"] is True and seen["initialized_at_last"] is True
+    # Ray's start draws from its own random.Random (ray_compat.cluster.private_random), and
+    # the trainer's stand-ins for the worker put the script's state back.
+    assert seen["scripts_random_stream_kept"] is True
     assert [x for batch in seen["batches"] for x in batch] == [float(i) for i in range(64)]
 
 

@@ -98,7 +98,11 @@ def test_ray_data_task_and_actor_sigkilled_mid_epoch_deliver_every_row_once(
 @pytest.mark.timeout(120)
 def test_map_style_worker_sigkilled_from_outside_delivers_every_sample_once() -> None:
     """The test SIGKILLs a DatasetWorker by pid while it has fetches in flight."""
-    loader = RayDataLoader(PidData(48, delay=0.02), batch_size=4, num_workers=2)
+    # The first batch from an actor: loaded in the trainer while the actors start
+    # (start_in_process), its pid would be this process's.
+    loader = RayDataLoader(
+        PidData(48, delay=0.02), batch_size=4, num_workers=2, start_in_process=False
+    )
     iterator = iter(loader)
     first = next(iterator)
     victim = int(first["pid"][0])

@@ -611,3 +611,93 @@ def test_epochs_that_share_a_pool_send_its_warm_ups_once() -> None:
     time.sleep(0.25)
     assert not start.starting(pool, calls)
     assert [arg for _, arg in calls.submitted] == ["warm", "warm"]
+
+
+class StandIns:
+    """The trainer's stand-ins for a pool's workers (``EmulatedWorkers``' interface)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.spec = type("Spec", (), {"num_workers": num_workers})()
+        self.loads: list[tuple[Any, int, str]] = []
+        self.handed: list[int] = []
+
+    def fetch(self, indices: Any, worker_id: int) -> Any:
+        self.loads.append((indices, worker_id, threading.current_thread().name))
+        time.sleep(0.03)
+        return f"{indices}@here{worker_id}"
+
+    def handover(self) -> dict[int, str]:
+        workers = sorted({worker for _, worker, _ in self.loads})
+        self.handed = workers
+        return {worker: f"rng{worker}" for worker in workers}
+
+
+class ReadyCalls(FakeCalls):
+    """Actors whose ``ready`` answers after ``start_s``; ``fetch`` answers at once."""
+
+    def __init__(self, start_s: float) -> None:
+        super().__init__()
+        self.start_s = start_s
+        self.methods: list[tuple[str, str, Any]] = []
+
+    def submit(self, actor: FakeActor, method: str, *args: Any) -> FakeRef:
+        self.methods.append((actor.name, method, args[0] if args else None))
+        ref = super().submit(actor, method, *(args or (method,)))
+        ref.ready_at = time.monotonic() + (self.start_s if method == "ready" else 0.0)
+        return ref
+
+
+def _map_style_epoch(calls: ReadyCalls, stand_ins: StandIns, batches: int) -> list[Any]:
+    from raydl._internal.stream.pool_producers import ActorStart, MapStyleProducer
+
+    start = ActorStart("ready")
+    producer = MapStyleProducer(
+        FakePool(2),
+        iter(range(batches)),
+        lookahead=4,
+        in_order=True,
+        calls=calls,
+        here=stand_ins,  # type: ignore[arg-type]
+        start_of=lambda pool: start,
+    )
+    got = []
+    for batch in EpochIterator(producer, epoch=0):
+        got.append(batch)
+        time.sleep(0.02)  # the training step
+    return got
+
+
+def test_map_style_first_batches_load_on_the_trainers_thread_as_the_worker_torch_would_use() -> (
+    None
+):
+    """Batch k is worker k % 2's, here or on its actor; actors go on from the stand-ins' RNG."""
+    stand_ins, calls = StandIns(2), ReadyCalls(start_s=0.2)
+    got = _map_style_epoch(calls, stand_ins, batches=40)
+    here = len(stand_ins.loads)
+    assert 0 < here < 40
+    assert [(i, w) for i, w, _ in stand_ins.loads] == [(i, i % 2) for i in range(here)]
+    assert {thread for _, _, thread in stand_ins.loads} == {threading.current_thread().name}
+    # Batch k, from worker k % 2, in order: the first ones here, the rest on the actors.
+    assert got == [f"{k}@here{k % 2}" if k < here else f"{k}@w{k % 2}" for k in range(40)]
+    # Each actor was told its worker's RNG states before its first batch of the epoch.
+    fetches = [(actor, method, arg) for actor, method, arg in calls.methods if method != "ready"]
+    for worker in (0, 1):
+        mine = [(method, arg) for actor, method, arg in fetches if actor == f"w{worker}"]
+        assert mine[0] == ("continue_from", f"rng{worker}")
+        assert [arg for _, arg in mine[1:]] == list(range(here + (worker - here) % 2, 40, 2))
+
+
+def test_map_style_epoch_shorter_than_the_actors_start_loads_all_here_and_hands_nothing_over() -> (
+    None
+):
+    stand_ins, calls = StandIns(2), ReadyCalls(start_s=5.0)
+    got = _map_style_epoch(calls, stand_ins, batches=6)
+    assert got == [f"{k}@here{k % 2}" for k in range(6)]
+    assert stand_ins.handed == []  # a persistent pool's next epoch goes on from the stand-ins
+    assert [method for _, method, _ in calls.methods] == ["ready", "ready"]
+
+
+def test_actors_that_are_up_take_the_first_batches() -> None:
+    stand_ins, calls = StandIns(2), ReadyCalls(start_s=0.0)
+    got = _map_style_epoch(calls, stand_ins, batches=6)
+    assert got == [f"{k}@w{k % 2}" for k in range(6)] and stand_ins.loads == []

@@ -1,0 +1,73 @@
+"""A map-style epoch's first batches load in the trainer while the pool's actors start.
+
+Each such batch is loaded as the worker torch would have used (its copy of the
+dataset, its RNG states, ``get_worker_info()``), and the actors go on from those
+states (docs/design.md, "The first batches, loaded by the trainer"): a dataset
+drawing random augmentations gives torch's batches either way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+from _datasets import RandomDraws
+from torch.utils.data import DataLoader
+
+from raydl import RayDataLoader
+
+FIELDS = ("index", "torch", "python", "numpy", "worker")
+
+
+def _epochs(loader: Any, until_on_actors: bool, most: int, step_s: float) -> list[list[Any]]:
+    """Epochs of ``loader`` (``most`` at most), until one loaded no batch in this process."""
+    epochs = []
+    for _ in range(most):
+        batches = []
+        for batch in loader:
+            batches.append(batch)
+            time.sleep(step_s)  # the training step
+        epochs.append(batches)
+        here = sum(int((b["pid"] == os.getpid()).all()) for b in batches)
+        if until_on_actors and here == 0:
+            break
+    return epochs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_batches_loaded_here_then_on_the_actors_are_torchs_random_draws_too(
+    persistent: bool,
+) -> None:
+    args = {"batch_size": 4, "shuffle": True, "num_workers": 2, "persistent_workers": persistent}
+    torch.manual_seed(11)
+    loader = RayDataLoader(RandomDraws(), **args)
+    try:
+        ours = _epochs(loader, until_on_actors=True, most=40, step_s=0.02)
+        summaries = [epoch.get("ray_data") for epoch in loader.stats()["epochs"]]
+    finally:
+        loader.close()
+    torch.manual_seed(11)
+    theirs = _epochs(DataLoader(RandomDraws(), **args), False, most=len(ours), step_s=0)
+    loaded_here = [sum(int((b["pid"] == os.getpid()).all()) for b in e) for e in ours]
+    assert loaded_here[0] > 0, summaries  # the actors were still starting
+    assert loaded_here[-1] == 0, summaries  # ... and then took over
+    assert f"{loaded_here[0]} batches loaded in the training process" in str(summaries[0])
+    for epoch, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
+        assert len(mine) == len(torchs) == 16
+        for k, (a, b) in enumerate(zip(mine, torchs, strict=True)):
+            for field in FIELDS:
+                assert torch.equal(a[field], b[field]), (epoch, k, field, loaded_here)
+
+
+@pytest.mark.timeout(120)
+def test_with_the_option_off_every_batch_loads_on_the_actors() -> None:
+    loader = RayDataLoader(RandomDraws(), batch_size=4, num_workers=2, start_in_process=False)
+    try:
+        pids = {int(b["pid"][0]) for b in loader}
+    finally:
+        loader.close()
+    assert os.getpid() not in pids
