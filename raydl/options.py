@@ -50,16 +50,19 @@ class LoaderOptions:
             scheduling of those executions left a quarter of the machine idle
             during small-image epochs). Other plans run on Ray Data either way;
             ``False`` always uses Ray Data.
-        start_in_process: For plans on raydl's actors (``direct_execution``):
-            while the actors of the loader's first epoch start (their processes
-            and imports take seconds on a small machine), load its first runs of
-            files in the training process, so the first batch does not wait for
-            them. The batches are the same either way (a run is a pure function of
-            its files). Those runs' stage functions run in the training process,
-            as a torch dataset does with ``num_workers=0``: one that kills its
-            process (``os._exit``, a segfault in a decoder) takes the trainer with
-            it there, where an actor would be replaced. ``False``: every run on
-            the actors.
+        start_in_process: While the loader's first actors start (Ray's own start,
+            their processes and imports take seconds on a small machine), load the
+            first batches in the training process, so the first batch does not wait
+            for them. For plans on raydl's actors (``direct_execution``): the first
+            runs of files (a run is a pure function of its files). For map-style
+            torch datasets: each batch as the worker torch would have used (its own
+            copy of the dataset, its RNG states, ``get_worker_info()``), whose actor
+            then goes on from those RNG states; not with a ``worker_init_fn``,
+            ``num_workers="auto"``, ``timeout`` or ``device``. The batches are the
+            same either way. That code runs in the training process, as with
+            ``num_workers=0``: a function that kills its process (``os._exit``, a
+            segfault in a decoder) takes the trainer with it there, where an actor
+            would be replaced. ``False``: every batch on the actors.
         progress_bar: Show a tqdm progress bar for each epoch (batches).
         log_stats: Log a one-line summary of each epoch when it ends (the
             ``raydl`` logger, INFO): batches, samples, samples/s, wait and stall.

@@ -542,7 +542,8 @@ def _run_blocks(request: tuple[str, int]) -> list[dict[str, np.ndarray]]:
 
 def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
     from raydl._internal.stream.batching import cut_batches
-    from raydl._internal.stream.pool_producers import ActorStart, DirectProducer
+    from raydl._internal.stream.direct_producer import DirectProducer
+    from raydl._internal.stream.dispatch import ActorStart
 
     producer = DirectProducer(
         FakePool(2),
@@ -604,7 +605,7 @@ def test_when_the_actors_start_slower_than_the_epoch_it_all_loads_here() -> None
 
 
 def test_epochs_that_share_a_pool_send_its_warm_ups_once() -> None:
-    from raydl._internal.stream.pool_producers import ActorStart
+    from raydl._internal.stream.dispatch import ActorStart
 
     start, calls, pool = ActorStart("fetch", "warm"), RunCalls(start_s=0.2), FakePool(2)
     assert start.starting(pool, calls) and start.starting(pool, calls)  # never waits
@@ -648,7 +649,8 @@ class ReadyCalls(FakeCalls):
 
 
 def _map_style_epoch(calls: ReadyCalls, stand_ins: StandIns, batches: int) -> list[Any]:
-    from raydl._internal.stream.pool_producers import ActorStart, MapStyleProducer
+    from raydl._internal.stream.dispatch import ActorStart
+    from raydl._internal.stream.pool_producers import MapStyleProducer
 
     start = ActorStart("ready")
     producer = MapStyleProducer(

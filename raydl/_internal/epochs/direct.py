@@ -395,7 +395,7 @@ def load_here(work: EpochWork, request: tuple[Any, LoadRun]) -> list[dict[str, n
     """A streaming request's run loaded in this process, as an actor loads it.
 
     For the runs an epoch sends while its pool's actors start
-    (:class:`~raydl._internal.stream.pool_producers.DirectProducer`): a run is a pure
+    (:class:`~raydl._internal.stream.direct_producer.DirectProducer`): a run is a pure
     function of its files, so the blocks are those an actor gives (the same code
     :class:`LocalRuns` relies on for elastic resume). An error names the stages and
     the files as an actor's does, and says it was raised here.

@@ -6,7 +6,7 @@ A :class:`RaySource` turns the user's plan (a ``ray.data.Dataset`` or a
 * **one rank**: the epoch's plan (``plan.py``: shuffle, retries, fused reads) runs
   as a Ray Data execution (:class:`~raydl._internal.stream.ray_producer.RayDataProducer`),
   or, for a simple file plan, on raydl's own actors (direct execution, a strategy:
-  ``direct.py`` and :class:`~raydl._internal.stream.pool_producers.DirectProducer`).
+  ``direct.py`` and :class:`~raydl._internal.stream.direct_producer.DirectProducer`).
 * **several ranks**: rank 0 plans the epoch and every rank receives a
   :class:`RankPlan` by broadcast. A simple file plan runs on rank 0's actors for
   every rank (globally shuffled: ``exchange_ranks.py``; streaming: rows dealt,
@@ -58,9 +58,10 @@ from raydl._internal.runtime import cluster
 from raydl._internal.runtime.startup import Warm
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.batching import cut_batches
+from raydl._internal.stream.direct_producer import DirectProducer
+from raydl._internal.stream.dispatch import ActorStart
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
-from raydl._internal.stream.pool_producers import ActorStart, DirectProducer
 from raydl._internal.stream.ray_producer import RayDataProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
 from raydl._internal.workers.pool import WorkerPool

@@ -25,7 +25,6 @@ rank 0's): seed the ranks alike.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
 
 from raydl._internal.epochs.elastic import batch_counts
+from raydl._internal.epochs.first_pool import FirstPool
 from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.resume import map_style_share, sampler_spec
 from raydl._internal.epochs.state import LoaderState, decode_rng, encode_rng
@@ -46,22 +46,16 @@ from raydl._internal.runtime.startup import BackgroundStart, Warm, connect
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.autotune import AutoTuner, worker_budget
 from raydl._internal.stream.batching import skip_consumed
-from raydl._internal.stream.dispatch import RayCalls
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.in_process import InProcessProducer, LengthWatch
-from raydl._internal.stream.pool_producers import (
-    FIRST_READY_WAIT_S,
-    ActorStart,
-    IterableProducer,
-    MapStyleProducer,
-)
+from raydl._internal.stream.pool_producers import IterableProducer, MapStyleProducer
 from raydl._internal.torch_args import (
     ITERABLE,
     TorchArgs,
     local_cpu_count,
     warn_excessive_workers,
 )
-from raydl._internal.workers.emulated import MAX_COPIED_BYTES, EmulatedWorkers
+from raydl._internal.workers.emulated import EmulatedWorkers
 from raydl._internal.workers.payload import pickle_payload
 from raydl._internal.workers.pool import WorkerPool
 from raydl._internal.workers.worker import WorkerSpec
@@ -104,15 +98,8 @@ class TorchSource:
         self._budget: int | None = None  # num_workers="auto": the most workers
         # The loader's background start, until an epoch needs Ray (_connect).
         self._startup: BackgroundStart | None = None
-        # The first pool's payload, shared by its trainer-side stand-ins (taken under the
-        # lock: the background start's thread pickles it too), and that pool.
-        self._payload_lock = threading.Lock()
-        self._first_payload: bytes | None = None
-        self._first_pool: weakref.ref[WorkerPool] | None = None
-        self._actor_starts: weakref.WeakKeyDictionary[WorkerPool, ActorStart] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._stand_ins: EmulatedWorkers | None = None  # persistent workers: until handed over
+        # The first pool, its payload and the trainer's stand-ins for its workers.
+        self._first = FirstPool(self._pickle)
         if settings.args.auto_workers:
             self._cpus_checked = True  # the budget is within the CPUs: nothing to warn
         elif settings.num_workers > 0 and (is_connected() or settings.ray_address is None):
@@ -312,7 +299,7 @@ class TorchSource:
                 tuner=tuner,
                 epoch=epoch,
                 here=stand_ins,
-                start_of=self._actor_start,
+                start_of=self._first.actor_start,
             )
         return EpochStart(producer, record, skip=skip, length=length)
 
@@ -459,58 +446,17 @@ class TorchSource:
             on_close=release,
             epoch=epoch,
             here=stand_ins,
-            start_of=self._actor_start,
+            start_of=self._first.actor_start,
             acquire=acquire,
         )
 
     def _stand_ins_for(self, pool: WorkerPool | None, base_seed: int) -> EmulatedWorkers | None:
-        """The trainer's stand-ins for ``pool``'s workers (``None``: the pool to come), if useful.
-
-        ``None`` when its actors are up, when the pool is not the loader's first
-        (only the first start is waited on), or when the dataset is too large to
-        copy here (:data:`~raydl._internal.workers.emulated.MAX_COPIED_BYTES`).
-        """
         persistent = self._settings.persistent_workers
-        if persistent and self._stand_ins is not None:
-            return None if self._stand_ins.handed_over else self._stand_ins
-        if pool is not None:
-            first = self._first_pool() if self._first_pool is not None else None
-            if pool is not first:
-                return None
-            if not self._actor_start(pool).starting(
-                pool, RayCalls(), first_wait=FIRST_READY_WAIT_S
-            ):
-                return None
-        elif self._first_pool is not None:
-            return None  # the first pool is gone: a later one starts on its actors
-        spec = self._spec(base_seed)
-        payload = self._payload()
-        if payload is None or len(payload) * spec.num_workers > MAX_COPIED_BYTES:
-            return None
-        stand_ins = EmulatedWorkers(payload, spec)
-        if persistent:
-            self._stand_ins = stand_ins
-        return stand_ins
-
-    def _payload(self) -> bytes | None:
-        """The first pool's pickled dataset, pickled now if nobody has; ``None`` once it is made."""
-        with self._payload_lock:
-            if self._first_pool is not None:
-                return self._first_payload
-            if self._first_payload is None:
-                self._first_payload = self._pickle()
-            return self._first_payload
+        return self._first.stand_ins(pool, self._spec(base_seed), persistent=persistent)
 
     def _pickle(self) -> bytes:
         settings = self._settings
         return pickle_payload(self._dataset, settings.worker_init_fn, self._args.collate_fn)
-
-    def _actor_start(self, pool: WorkerPool) -> ActorStart:
-        """Whether ``pool``'s actors answered ``ready`` (asked once per pool)."""
-        start = self._actor_starts.get(pool)
-        if start is None:
-            start = self._actor_starts[pool] = ActorStart("ready")
-        return start
 
     def _fresh_pool(self, base_seed: int) -> WorkerPool:
         """A pool whose workers are new for this epoch: a parked one reset, or a new one."""
@@ -523,14 +469,8 @@ class TorchSource:
 
     def _new_pool(self, spec: WorkerSpec, *, ahead: bool = False) -> WorkerPool:
         tuner = self._new_tuner(spec) if self._auto else None
-        with self._payload_lock:  # the first pool: the bytes its stand-ins load from
-            first = self._first_pool is None
-            if first and self._first_payload is None:
-                self._first_payload = self._pickle()
-            payload = self._first_payload if first else None
-            if first and len(payload or b"") * spec.num_workers > MAX_COPIED_BYTES:
-                self._first_payload = None  # too large to copy here: nobody loads from it
-            pool = WorkerPool(
+        pool = self._first.new_pool(
+            lambda payload: WorkerPool(
                 self._dataset,
                 spec,
                 restartable=not self._iterable,
@@ -538,9 +478,9 @@ class TorchSource:
                 ahead=ahead,
                 start=tuner.started if tuner is not None else None,
                 payload=payload,
-            )
-            if first:
-                self._first_pool = weakref.ref(pool)
+            ),
+            spec.num_workers,
+        )
         if tuner is not None:
             self._tuners[pool] = tuner
         return pool
@@ -615,7 +555,8 @@ class TorchSource:
         if startup is not None:
             startup.cancel()
         pool, self._pool = self._pool, None
-        self._worker_seed = self._stand_ins = None  # the next epoch's workers are new
+        self._worker_seed = None  # the next epoch's workers are new
+        self._first.forget_stand_ins()
         parked, self._parked = self._parked, []
         for each in [pool, *parked]:
             if each is not None:

@@ -1,7 +1,7 @@
 """The producers of a streaming direct epoch under several ranks: rank 0's and the others'.
 
 Rank 0's thread (:class:`DealingProducer`) sends the epoch's runs to raydl's
-actors in run order, as :class:`~raydl._internal.stream.pool_producers.DirectProducer`
+actors in run order, as :class:`~raydl._internal.stream.direct_producer.DirectProducer`
 does (``window`` in flight, fewer when runs prove large). Each reply is two
 objects: the rows of each of the run's batches (fetched) and the batches (left
 in the object store). It hands each run's row count to the epoch's dealer

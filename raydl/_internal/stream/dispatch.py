@@ -22,6 +22,8 @@ lost or duplicated.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -281,3 +283,51 @@ class Dispatcher:
             if ready:
                 return self._pending[refs.index(ready[0])]
             self._between()
+
+
+#: How long the first look at a pool's actors waits for their ``ready``: actors that are
+#: up answer within milliseconds and should get the epoch's first requests.
+FIRST_READY_WAIT_S = 0.05
+
+
+class ActorStart:
+    """Whether a pool's actors have all answered a first request, asked without waiting.
+
+    Shared by the epochs of one pool, so that an epoch started while the actors
+    still start (the next one, started early) loads here too, and the warm-ups
+    go once: the first ask sends the warm-up call (``method(*args)``) to every actor.
+    """
+
+    def __init__(self, method: str, *args: Any) -> None:
+        self._call = (method, *args)
+        self._waiting: list[Any] | None = None  # warm-ups not answered yet
+        self._lock = threading.Lock()
+
+    def starting(self, pool: Pool, calls: Calls, *, first_wait: float = 0.0) -> bool:
+        """Whether some actor of ``pool`` has not answered its warm-up (``method(*args)``) yet.
+
+        ``first_wait``: at the first ask, wait that long for the answers (actors
+        that are up answer within milliseconds; that should not count as starting).
+        """
+        with self._lock:
+            if self._waiting is None:
+                self._waiting = [calls.submit(a, *self._call) for a in pool.actors]
+                deadline = time.perf_counter() + first_wait
+                while self._waiting and time.perf_counter() < deadline:
+                    calls.wait(
+                        self._waiting, min(SLICE_S, max(0.0, deadline - time.perf_counter()))
+                    )
+                    self._waiting = [ref for ref in self._waiting if not _answered(calls, ref)]
+            self._waiting = [ref for ref in self._waiting if not _answered(calls, ref)]
+            return bool(self._waiting)
+
+
+def _answered(calls: Calls, ref: Any) -> bool:
+    """Whether a warm-up has its reply (a failure counts: the runs meet it on their own)."""
+    try:
+        calls.get(ref, 0.0)
+    except ResultTimeout:
+        return False
+    except Exception:  # a dead actor, a failed start: the Dispatcher's to handle
+        return True
+    return True
