@@ -85,7 +85,13 @@ def test_actors_keep_freed_memory_unless_told_not_to() -> None:
     off = {"runtime_env": {"env_vars": {"RAYDL_KEEP_FREED_MEMORY": "0"}}}
     faults = {}
     for name, options in (("kept", None), ("default", off)):
-        loader = RayDataLoader(PageFaults(), batch_size=None, num_workers=1, worker_options=options)
+        loader = RayDataLoader(  # counted in the actor: none loaded in the trainer
+            PageFaults(),
+            batch_size=None,
+            num_workers=1,
+            worker_options=options,
+            start_in_process=False,
+        )
         faults[name] = [int(f) for f in loader]
         loader.close()
     assert all(f < 1_200 for f in faults["kept"]), faults
@@ -100,7 +106,7 @@ def test_default_collate_stacks_into_plain_memory_in_the_actors() -> None:
     args = {"batch_size": 4, "num_workers": 1, "collate_fn": collate_and_report_shared}
     torch_batches = list(DataLoader(TensorData(8), **args))
     assert [bool(b["shared"]) for b in torch_batches] == [True, True]
-    loader = RayDataLoader(TensorData(8), **args)
+    loader = RayDataLoader(TensorData(8), **args, start_in_process=False)  # the actor's collate
     batches = list(loader)
     loader.close()
     assert [bool(b["shared"]) for b in batches] == [False, False]

@@ -66,7 +66,11 @@ def script_module(tmp_path: Path) -> Iterator[Any]:
 def test_a_module_the_workers_cannot_import_is_named(script_module: Any, kind: str) -> None:
     name = script_module.__name__
     folder = str(Path(script_module.__file__).parent)
-    loader = RayDataLoader(getattr(script_module, kind)(), batch_size=2, num_workers=1)
+    # Every batch on the actor: loaded in the trainer while it starts (start_in_process),
+    # the first batches would come from the trainer's own import, the error once it is up.
+    loader = RayDataLoader(
+        getattr(script_module, kind)(), batch_size=2, num_workers=1, start_in_process=False
+    )
     with pytest.raises(
         ModuleNotFoundError,
         match=rf"^Ray worker 0 could not import module '{name}' while unpickling the dataset, "

@@ -109,9 +109,19 @@ def _two_epochs(loader: Any) -> list[bool]:
 
 
 def test_map_style_batches_are_the_object_stores_and_epochs_stay_intact() -> None:
-    loader = RayDataLoader(Rows(), batch_size=BATCH, num_workers=2, persistent_workers=True)
+    loader = RayDataLoader(  # every batch from the actors (none loaded in the trainer)
+        Rows(), batch_size=BATCH, num_workers=2, persistent_workers=True, start_in_process=False
+    )
     stored = _two_epochs(loader)
     assert all(stored), "a map-style batch was copied out of the object store"
+    loader.close()
+
+
+def test_map_style_batches_loaded_in_the_trainer_keep_epochs_intact_too() -> None:
+    """The first batches load in the trainer while the actors start (``start_in_process``)."""
+    loader = RayDataLoader(Rows(), batch_size=BATCH, num_workers=2, persistent_workers=True)
+    stored = _two_epochs(loader)
+    assert not stored[0], "the first batch did not load in the trainer"  # the actors start
     loader.close()
 
 

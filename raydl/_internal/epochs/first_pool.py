@@ -83,7 +83,10 @@ class FirstPool:
             return None
         with self._lock:
             if self._payload is None and self._pool is None:
-                self._payload = self._pickle()
+                try:
+                    self._payload = self._pickle()
+                except Exception:  # raised as the pool's own error, once the epoch waits for it
+                    return None
             payload = self._payload
         if payload is None or len(payload) * spec.num_workers > MAX_COPIED_BYTES:
             return None

@@ -35,7 +35,8 @@ from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.worker import (
     RngStates,
     WorkerSpec,
-    _shard_datapipe,
+    collate_into_plain_memory,
+    shard_datapipe,
     describe_indices,
     load_batch,
 )
@@ -65,31 +66,21 @@ class EmulatedWorkers:
 
     def fetch(self, indices: Sequence[int] | int, worker_id: int) -> Any:
         """Worker ``worker_id``'s batch of ``indices``, loaded here; a ``RemoteError`` if it raised."""
-        from torch.utils.data import default_collate
         from torch.utils.data._utils import worker as torch_worker
 
         spec = self.spec
         dataset, collate_fn = self._copy(worker_id)
         rng = self._rng.get(worker_id) or RngStates.seeded(spec.base_seed, worker_id)
         trainers, trainers_info = RngStates.current(), torch_worker._worker_info
-        info = torch_worker.WorkerInfo(
+        rng.apply()
+        torch_worker._worker_info = torch_worker.WorkerInfo(
             id=worker_id,
             num_workers=spec.num_workers,
             seed=spec.base_seed + worker_id,
             dataset=dataset,
         )
-
-        def plain_collate() -> Any:
-            # torch's default_collate stacks into shared memory inside a worker, for its
-            # queue; here the batch stays in this process (actors do the same, worker.py).
-            return _WorkerInfo(torch_worker, None if collate_fn is default_collate else info)
-
-        rng.apply()
-        torch_worker._worker_info = info
         try:
-            batch = load_batch(
-                dataset, collate_fn, spec.auto_collation, indices, collate_as=plain_collate
-            )
+            batch = load_batch(dataset, collate_fn, spec.auto_collation, indices)
         except Exception:
             batch = RemoteError(
                 where=f"in the training process, as Ray worker {worker_id} while raydl's "
@@ -114,23 +105,12 @@ class EmulatedWorkers:
     def _copy(self, worker_id: int) -> tuple[Any, Any]:
         copy = self._copies.get(worker_id)
         if copy is None:
+            # As in an actor: torch's default collate stacks into plain memory, not into
+            # the shared memory a worker process's queue needs. The same function outside
+            # a worker (get_worker_info() None), so the trainer's own collates are unchanged.
+            collate_into_plain_memory()
             dataset, init_fn, collate_fn = pickle.loads(self._payload)
             assert init_fn is None, "a worker_init_fn must run in a worker process"
-            _shard_datapipe(dataset, self.spec, worker_id)
+            shard_datapipe(dataset, self.spec, worker_id)
             copy = self._copies[worker_id] = (dataset, collate_fn)
         return copy
-
-
-class _WorkerInfo:
-    """Sets torch's ``get_worker_info()`` to ``info`` while it is entered, then back."""
-
-    def __init__(self, module: Any, info: Any) -> None:
-        self._module, self._info = module, info
-        self._saved: Any = None
-
-    def __enter__(self) -> None:
-        self._saved = self._module._worker_info
-        self._module._worker_info = self._info
-
-    def __exit__(self, *exc: object) -> None:
-        self._module._worker_info = self._saved

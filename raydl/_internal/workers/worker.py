@@ -275,12 +275,12 @@ class DatasetWorker:
         uses_torch = getattr(dataset, "needs_torch", True) is not False
         if uses_torch:
             _seed_torch(spec, worker_id, dataset)
-            _collate_into_plain_memory()
+            collate_into_plain_memory()
         else:
             np.random.seed(_numpy_seed(spec.base_seed, worker_id))
         try:
             if uses_torch:
-                _shard_datapipe(dataset, spec, worker_id)
+                shard_datapipe(dataset, spec, worker_id)
             if init_fn is not None:
                 init_fn(worker_id)
         except Exception:
@@ -369,13 +369,11 @@ def load_batch(
     collate_fn: Callable[[Any], Any] | None,
     auto_collation: bool,
     indices: Sequence[int] | int,
-    *,
-    collate_as: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Any:
     """One batch of a map-style dataset, as torch's ``_MapDatasetFetcher`` loads it.
 
     ``__getitems__`` when the dataset has it, else one ``__getitem__`` per index;
-    then ``collate_fn`` (inside ``collate_as()``). Exceptions propagate.
+    then ``collate_fn``. Exceptions propagate.
     """
     if auto_collation:
         assert not isinstance(indices, int)
@@ -384,8 +382,7 @@ def load_batch(
     else:
         data = dataset[indices]
     if collate_fn is not None:
-        with collate_as():
-            data = collate_fn(data)
+        data = collate_fn(data)
     return data
 
 
@@ -447,7 +444,7 @@ def _seed_torch(spec: WorkerSpec, worker_id: int, dataset: Any) -> None:
     )
 
 
-def _collate_into_plain_memory() -> None:
+def collate_into_plain_memory() -> None:
     """Make torch's default collate stack tensors into ordinary memory in this process.
 
     In a torch worker process (``get_worker_info()`` set) ``default_collate`` stacks
@@ -485,7 +482,7 @@ def _numpy_seed(base_seed: int, worker_id: int) -> np.ndarray:
     return np.random.SeedSequence(entropy).generate_state(4)
 
 
-def _shard_datapipe(dataset: Any, spec: WorkerSpec, worker_id: int) -> None:
+def shard_datapipe(dataset: Any, spec: WorkerSpec, worker_id: int) -> None:
     """torch's ``_sharding_worker_init_fn`` for a DataPipe: ranks first, then workers."""
     from torch.utils.data import IterDataPipe, MapDataPipe
     from torch.utils.data.graph_settings import apply_sharding
