@@ -36,9 +36,9 @@ from raydl._internal.workers.worker import (
     RngStates,
     WorkerSpec,
     collate_into_plain_memory,
-    shard_datapipe,
     describe_indices,
     load_batch,
+    shard_datapipe,
 )
 
 #: Largest pickled dataset (``(dataset, worker_init_fn, collate_fn)``, times the
