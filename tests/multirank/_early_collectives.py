@@ -66,6 +66,11 @@ def scenario(record: str) -> None:
         epochs.append(ids)
     import ray
 
+    import raydl
+
+    # Its epochs may all have loaded in this process while Ray still started (the
+    # loader's start_in_process): raydl.init() waits for that start before Ray is asked.
+    raydl.init()
     with open(f"{record}.rank{rank}", "w") as f:
         json.dump(
             {

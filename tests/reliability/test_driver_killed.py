@@ -86,6 +86,12 @@ def test_sigkilled_trainer_leaves_no_ray_process_and_a_new_run_starts(ray_tmpdir
     trainer = _start("serve", ray_tmpdir)
     try:
         _wait_for_line(trainer, "READY", timeout=120)
+        # The loader's first batches may load in the trainer while its actors start
+        # (start_in_process): wait for them, so that the kill finds them running.
+        assert wait_until(
+            lambda: any("DatasetWorker" in n for n in _alive(_session(ray_tmpdir, trainer.pid))),
+            timeout=60,
+        ), _alive(_session(ray_tmpdir, trainer.pid))
         session = _session(ray_tmpdir, trainer.pid)
         names = _alive(session)
         # gcs_server, raylet, Ray's agents and workers, the loader's actors

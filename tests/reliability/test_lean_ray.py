@@ -46,7 +46,8 @@ class Probe(torch.utils.data.Dataset):
         return i, os.environ.get("RANK", "unset")
 
 raydl.init(num_cpus=2)  # Ray prestarts one worker per CPU
-loader = raydl.RayDataLoader(Probe(), batch_size=8, num_workers=2, background_start=False)
+loader = raydl.RayDataLoader(Probe(), batch_size=8, num_workers=2, background_start=False,
+                             start_in_process=False)  # every batch from the actors' environment
 rows, ranks = [], set()
 for ids, seen in loader:
     rows += ids.tolist()

@@ -199,7 +199,8 @@ def unpickling_error(worker_id: int, error: Exception) -> InitError:
         return ImportFailure(worker_id, error)
     return InitError(
         where=f"in Ray worker {worker_id} while unpickling the dataset, worker_init_fn and "
-        "collate_fn"
+        "collate_fn",
+        exc_info=(type(error), error, error.__traceback__),  # caught earlier: not the current one
     )
 
 
