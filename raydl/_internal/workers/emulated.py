@@ -17,12 +17,12 @@ The states are swapped in and out around each batch, on the trainer's thread
 (``MapStyleProducer.deliver``), never while the training step runs, so the
 training loop's own draws (dropout, its sampler) see the trainer's RNG alone.
 
-What differs from an actor, and why it is allowed only where it does not matter
-(``TorchSource._may_start_here``): ``os.getpid()`` is the trainer's; a crash of
-the process (``os._exit``, a segfault) takes the trainer down; state the dataset
-keeps on itself (a cache) stays with the stand-in's copy. Not for a
-``worker_init_fn`` (it would run in the trainer, where ``torch.set_num_threads``
-or a global seed would change the training process), nor ``num_workers="auto"``.
+What differs from an actor: ``os.getpid()`` is the trainer's; a crash of the
+process (``os._exit``, a segfault) takes the trainer down; state the dataset keeps
+on itself (a cache) stays with the stand-in's copy. Where it is not done
+(``TorchSource._may_load_here``): with a ``worker_init_fn`` (it would run in the
+trainer, where ``torch.set_num_threads`` or a global seed would change the training
+process), ``num_workers="auto"``, torch's ``timeout`` and a device copy stage.
 """
 
 from __future__ import annotations
