@@ -42,7 +42,11 @@ class FirstPool:
     def new_pool(self, make: Callable[[bytes | None], WorkerPool], num_workers: int) -> WorkerPool:
         """``make(payload)``: the first pool gets the shared bytes, later ones ``None``."""
         with self._lock:
-            if self._pool is not None:
+            later = self._pool is not None
+        if later:
+            return make(None)  # pickles its own, outside the lock
+        with self._lock:
+            if self._pool is not None:  # made meanwhile by another thread
                 return make(None)
             if self._payload is None:
                 self._payload = self._pickle()
@@ -75,7 +79,7 @@ class FirstPool:
             return None if self._persistent.handed_over else self._persistent
         first = self._pool() if self._pool is not None else None
         if pool is None and self._pool is not None:
-            return None  # the first pool is gone: a later one starts on its actors
+            return None  # made already (the start is handing it over): the epoch waits for it
         if pool is not None and (
             pool is not first
             or not self.actor_start(pool).starting(pool, RayCalls(), first_wait=FIRST_READY_WAIT_S)

@@ -177,7 +177,7 @@ class TorchSource:
 
             cpus: float | None = ray.cluster_resources().get("CPU")
             where = "the Ray cluster"
-        elif ray_address_env() is None:
+        elif ray_address_env() is None and self._settings.ray_address is None:
             cpus, where = local_cpu_count(), "this machine, which the embedded Ray instance uses"
         else:
             self._cpus_checked = False  # a cluster not joined yet: look when it is
@@ -398,9 +398,10 @@ class TorchSource:
         """Whether a map-style epoch may load batches here while its actors start.
 
         Not with a ``worker_init_fn`` (it would run in the trainer), ``num_workers="auto"``
-        (its first worker is started at once), torch's ``timeout`` (it starts the
-        workers first), nor a device copy stage (``lookahead > 0``: that stage takes
-        the batches on its own thread, and the stand-ins must load on the trainer's).
+        or ``prefetch_factor="auto"`` (the rule starts its first worker at once),
+        torch's ``timeout`` (it starts the workers first), nor a device copy stage
+        (``lookahead > 0``: that stage takes the batches on its own thread, and the
+        stand-ins must load on the trainer's).
         """
         settings = self._settings
         return (

@@ -30,6 +30,7 @@ import inspect
 import random
 import sys
 import threading
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -164,16 +165,24 @@ def private_random() -> None:
     means at moments that vary from run to run, so the script's stream would depend
     on timing; and the trainer's stand-ins for a pool's workers
     (``workers/emulated.py``), which swap a worker's state in, would lose draws to
-    it. Every module of Ray imported now whose global ``random`` is Python's gets
-    one instance of its own instead (the same methods; seeded from the OS).
+    it. Every module of Ray imported now whose global ``random`` is Python's gets a
+    copy of the module instead, whose drawing functions are those of one
+    ``random.Random`` of its own (seeded from the OS); its classes
+    (``random.Random(seed)``, ``SystemRandom``) are Python's.
     """
     own = random.Random()
+    private = types.ModuleType("random", random.__doc__)
+    private.__dict__.update(vars(random))
+    for name in dir(own):
+        method = getattr(own, name)
+        if not name.startswith("_") and callable(method) and hasattr(random, name):
+            setattr(private, name, method)  # random.random -> own.random, seed, getstate...
     for name in RANDOM_USERS:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     for name, module in list(sys.modules.items()):
         if (name == "ray" or name.startswith("ray.")) and getattr(module, "random", None) is random:
-            module.random = own  # type: ignore[attr-defined]
+            module.random = private  # type: ignore[attr-defined]
 
 
 def in_worker() -> bool:

@@ -296,6 +296,8 @@ class MapStyleProducer(PoolProducer):
             self._check_stop()  # closing: start no more tasks
             self._tune()
             self._leave_here()
+            if self._dispatch:
+                block = False  # requests in flight: the caller collects them
             if self._requests_ended and not self._held:
                 block = False  # only the trainer's waits can still come: nothing to wait for
             try:

@@ -22,7 +22,8 @@ process (``os._exit``, a segfault) takes the trainer down; state the dataset kee
 on itself (a cache) stays with the stand-in's copy. Where it is not done
 (``TorchSource._may_load_here``): with a ``worker_init_fn`` (it would run in the
 trainer, where ``torch.set_num_threads`` or a global seed would change the training
-process), ``num_workers="auto"``, torch's ``timeout`` and a device copy stage.
+process), ``num_workers="auto"`` or ``prefetch_factor="auto"``, torch's ``timeout``
+and a device copy stage.
 """
 
 from __future__ import annotations
@@ -69,17 +70,25 @@ class EmulatedWorkers:
         from torch.utils.data._utils import worker as torch_worker
 
         spec = self.spec
-        dataset, collate_fn = self._copy(worker_id)
-        rng = self._rng.get(worker_id) or RngStates.seeded(spec.base_seed, worker_id)
         trainers, trainers_info = RngStates.current(), torch_worker._worker_info
-        rng.apply()
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=worker_id,
-            num_workers=spec.num_workers,
-            seed=spec.base_seed + worker_id,
-            dataset=dataset,
-        )
+        # As in an actor, torch's default collate stacks into plain memory here, not into
+        # the shared memory a worker process's queue needs (put back afterwards: the
+        # workers of the script's own torch DataLoaders, forked later, need it).
+        plain_collate_undo = collate_into_plain_memory()
+        loading = False
         try:
+            # Unpickled first, as an actor does before it is seeded: whatever unpickling
+            # draws comes from the trainer's states, put back below.
+            dataset, collate_fn = self._copy(worker_id)
+            rng = self._rng.get(worker_id) or RngStates.seeded(spec.base_seed, worker_id)
+            rng.apply()
+            loading = True
+            torch_worker._worker_info = torch_worker.WorkerInfo(
+                id=worker_id,
+                num_workers=spec.num_workers,
+                seed=spec.base_seed + worker_id,
+                dataset=dataset,
+            )
             batch = load_batch(dataset, collate_fn, spec.auto_collation, indices)
         except Exception:
             batch = RemoteError(
@@ -87,9 +96,11 @@ class EmulatedWorkers:
                 f"actors started, while loading {describe_indices(indices)}"
             )
         finally:
-            self._rng[worker_id] = RngStates.current()
+            if loading:
+                self._rng[worker_id] = RngStates.current()
             torch_worker._worker_info = trainers_info
             trainers.apply()
+            plain_collate_undo()
         self.loaded += 1
         return batch
 
@@ -105,10 +116,6 @@ class EmulatedWorkers:
     def _copy(self, worker_id: int) -> tuple[Any, Any]:
         copy = self._copies.get(worker_id)
         if copy is None:
-            # As in an actor: torch's default collate stacks into plain memory, not into
-            # the shared memory a worker process's queue needs. The same function outside
-            # a worker (get_worker_info() None), so the trainer's own collates are unchanged.
-            collate_into_plain_memory()
             dataset, init_fn, collate_fn = pickle.loads(self._payload)
             assert init_fn is None, "a worker_init_fn must run in a worker process"
             shard_datapipe(dataset, self.spec, worker_id)

@@ -445,7 +445,7 @@ def _seed_torch(spec: WorkerSpec, worker_id: int, dataset: Any) -> None:
     )
 
 
-def collate_into_plain_memory() -> None:
+def collate_into_plain_memory() -> Callable[[], None]:
     """Make torch's default collate stack tensors into ordinary memory in this process.
 
     In a torch worker process (``get_worker_info()`` set) ``default_collate`` stacks
@@ -458,6 +458,10 @@ def collate_into_plain_memory() -> None:
     function without the shared memory; a ``collate_fn`` of the user's that calls
     ``default_collate`` gets it too. What torch refuses (nested and sparse
     tensors) still goes to torch's function, for its errors.
+
+    Returns what puts torch's own function back (the trainer's stand-ins for its
+    workers use it only while they load: processes the trainer forks later, a
+    torch ``DataLoader``'s workers, must collate into shared memory).
     """
     import torch
     from torch.utils.data._utils import collate
@@ -465,7 +469,7 @@ def collate_into_plain_memory() -> None:
     table: dict[Any, Any] = getattr(collate, "default_collate_fn_map", {})
     original = table.get(torch.Tensor)
     if original is None or getattr(original, "raydl_plain_memory", False):
-        return
+        return lambda: None
 
     def collate_tensor(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
         elem = batch[0]
@@ -475,6 +479,12 @@ def collate_into_plain_memory() -> None:
 
     collate_tensor.raydl_plain_memory = True  # type: ignore[attr-defined]
     table[torch.Tensor] = collate_tensor
+
+    def undo() -> None:
+        if table.get(torch.Tensor) is collate_tensor:
+            table[torch.Tensor] = original
+
+    return undo
 
 
 def _numpy_seed(base_seed: int, worker_id: int) -> np.ndarray:
