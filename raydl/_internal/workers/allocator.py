@@ -17,7 +17,8 @@ to :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` o
 free heap is kept for the next allocation rather than returned. The cost is that
 an actor's resident memory stays near its high-water mark between batches
 (docs/design.md, "What an actor's process does differently from a torch
-worker's"). It applies to raydl's actors only, never to the training process.
+worker's"). It applies to raydl's actors only, never to the training process; there,
+:func:`release_freed_memory` only gives back what the trainer's stand-ins freed.
 ``RAYDL_KEEP_FREED_MEMORY=0`` leaves glibc's defaults; on other C libraries (musl,
 macOS) nothing changes.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import Any
 
 from raydl._internal.runtime import env
 
@@ -58,3 +60,26 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+_trim: Any = None  # glibc's malloc_trim, False elsewhere; looked up once
+
+
+def release_freed_memory() -> None:
+    """Return the free pages of this process's heaps to the kernel (glibc's ``malloc_trim``).
+
+    For the training process after each batch its stand-ins for a pool's workers
+    loaded (``workers/emulated.py``): decoding there in the trainer's own heap, with
+    glibc's defaults, left the benchmark's trainer at 660-830 MB PSS on full-size
+    ``mapstyle_decode`` against 230 MB with it (docs/benchmarks.md, session 18).
+    """
+    global _trim
+    if _trim is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _trim = libc.malloc_trim
+            _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # not glibc
+            _trim = False
+    if _trim:
+        _trim(0)

@@ -32,6 +32,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
+from raydl._internal.workers import allocator
 from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.worker import (
     RngStates,
@@ -101,6 +102,7 @@ class EmulatedWorkers:
             torch_worker._worker_info = trainers_info
             trainers.apply()
             plain_collate_undo()
+            allocator.release_freed_memory()  # the trainer's heap is the user's
         self.loaded += 1
         return batch
 
