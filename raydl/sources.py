@@ -20,6 +20,12 @@ each recursively, so a bucket with many labels does not page through one
 listing serially; the file list and its (sorted) order are the same as a
 serial listing's. Many paths given at once are expanded in parallel threads.
 
+Ray: after listing, a reader connects this process to Ray (Ray Data plans need it),
+starting the embedded instance if none is up. Under torchrun every rank joins rank
+0's instance, as a loader does, so calling a reader on every rank needs no
+``raydl.init()`` first (ranks launched without torchrun meet over the process
+group: there every rank must call it).
+
 Bad files: with the default ``on_bad_file="raise"``, a file that cannot be read
 or decoded (corrupt or truncated parquet, a non-image among images, an empty
 file) fails the read with an error naming it. With ``on_bad_file="skip"`` that
@@ -259,7 +265,7 @@ def read_parquet(
         reader="read_parquet",
         written=_as_path_list(paths),
     )
-    cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
+    cluster.ensure_ray_for_reads()
     return parquet.read_dataset(
         fs,
         files,
@@ -339,7 +345,7 @@ def read_images(
         ray_options,
         default_extensions=reads.IMAGE_EXTENSIONS,
     )
-    cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
+    cluster.ensure_ray_for_reads()
     if policy == "raise":
         return ray.data.read_images(
             stripped,
@@ -429,13 +435,13 @@ def read_binary_files(
             reader="read_binary_files",
             written=written,
         )
-        cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
+        cluster.ensure_ray_for_reads()
         if policy == "skip":
             skips.ledger()  # owned by this driver, so it lives as long as the job
         source = FileListDatasource(files, fs, include_paths=include_paths, on_bad_file=policy)
         return ray.data.read_datasource(source, **ray_options)
     _check_before_ray("read_binary_files", fs, stripped, written, ray_options)
-    cluster.ensure_ray(preload=cluster.RAY_DATA_WORKERS)
+    cluster.ensure_ray_for_reads()
     if policy == "raise":
         return ray.data.read_binary_files(
             stripped, filesystem=fs, include_paths=include_paths, **ray_options

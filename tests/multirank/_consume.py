@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=0)
     parser.add_argument("--early-collectives", metavar="RECORD")
+    # no raydl.init(): the first loader's reader (raydl's own) joins rank 0's cluster itself
+    parser.add_argument("--no-init", action="store_true")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -142,7 +144,8 @@ def main() -> None:
         from _early_collectives import scenario
 
         scenario(args.early_collectives)
-    raydl.init()
+    if not args.no_init:
+        raydl.init()
     import ray.data
 
     paths = sorted(os.path.join(args.data, f) for f in os.listdir(args.data))

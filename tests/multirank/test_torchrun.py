@@ -76,6 +76,8 @@ MODES = ("global", "files", "none")  # "none": shuffle=False
 #: Data's own read under the streaming split (2 epochs), then a direct plan in every mode
 #: (3 epochs each). One pair of launches serves the tests below, each on its own records.
 SPLIT_LOADERS = ",".join(["ray/blocks/2", *(f"raydl/{mode}/3" for mode in MODES)])
+#: The same loaders with raydl's own reader first (the launch by hand builds it before Ray is up).
+SPLIT_LOADERS_READER_FIRST = ",".join([*SPLIT_LOADERS.split(",")[1:], "ray/blocks/2"])
 SPLIT_NAMES = ["ray-blocks", *(f"raydl-{mode}" for mode in MODES)]
 SPLIT_EPOCHS = {"ray-blocks": 2, **{f"raydl-{mode}": 3 for mode in MODES}}
 #: Loaders the torchrun launch of ``split_runs`` ends with: a direct plan whose stage raises
@@ -90,8 +92,9 @@ class SplitRuns:
 
     The first, under torchrun, starts with ``_early_collectives.py``'s scenario (its
     loader's background start is the launch's Ray start): ``early`` is what each rank
-    saw. The second is launched by hand and ends with a loader under which rank 1
-    SIGKILLs itself (``dead_*``).
+    saw. The second is launched by hand, without ``raydl.init()`` (its first loader's
+    ``raydl.read_parquet`` joins rank 0's cluster, over the process group), and ends
+    with a loader under which rank 1 SIGKILLs itself (``dead_*``).
     """
 
     runs: list[dict[str, dict[int, list[dict]]]]
@@ -153,9 +156,12 @@ def split_runs(unequal_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     seen = {rank: json.loads(Path(f"{early}.rank{rank}").read_text()) for rank in (0, 1)}
     poisoned = {mode: _records(folder / f"run0-poison-{mode}") for mode in POISON_MODES}
     plan_failed = _records(folder / "run0-planfail-files")
+    # By hand, without raydl.init(): the first loader's raydl.read_parquet must join rank 0's
+    # cluster by itself (a private instance on rank 1 would fail its first iter()).
     dies = [
+        "--no-init",
         "--loaders",
-        f"{SPLIT_LOADERS},ray/blocks/1/dies",
+        f"{SPLIT_LOADERS_READER_FIRST},ray/blocks/1/dies",
         "--die-after",
         "5",
         "--timeout",

@@ -95,6 +95,20 @@ def ensure_ray(
     _ensure_ray(address, num_cpus, preload=preload)
 
 
+def ensure_ray_for_reads() -> None:
+    """Connect this process before a reader plans its read (Ray Data's readers need Ray).
+
+    Every rank of a job joins rank 0's cluster, as a loader does (:func:`ensure_ray`
+    with this process's world): a reader that started an embedded instance of its own
+    on each rank would leave the ranks unable to share one pipeline (the loader would
+    then refuse to run). Under torchrun that is no collective (rank 0 publishes its
+    cluster in torchrun's store); ranks launched by hand meet over the process group,
+    so there every rank must call the reader. An embedded instance started for reads
+    (one rank) preloads Ray Data in its workers (:data:`RAY_DATA_WORKERS`).
+    """
+    ensure_ray(world=World.detect(), preload=RAY_DATA_WORKERS)
+
+
 def starts_without_collectives(address: str | None, world: World) -> bool:
     """Whether :func:`ensure_ray` makes no collective call for this world (may run on any thread)."""
     shared = world.is_distributed and not (address or env.ray_address())
