@@ -7,7 +7,8 @@ among them, and come back with ``RAYDL_LEAN_RAY=0``; a loader works on the lean
 instance (docs/design.md, "The cold path", Lean). A loader of a torch ``Dataset``
 never imports Ray Data into the training process (about 57 MB). Under torchrun's
 variables, the loader's actors run in the workers Ray prestarted while it started
-(none is left idle), and see those variables blanked: they are no rank. An
+(none is left idle), and see those variables blanked: they are no rank; ``raydl.init(object_store_memory=...)`` sizes
+the instance's object store. An
 instance that a read starts has its workers import Ray Data as they start (its
 actors would import it anyway); one that ``raydl.init()`` starts does not.
 """
@@ -45,7 +46,9 @@ class Probe(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return i, os.environ.get("RANK", "unset")
 
-raydl.init(num_cpus=2)  # Ray prestarts one worker per CPU
+import ray
+raydl.init(num_cpus=2, object_store_memory=200 << 20)  # Ray prestarts one worker per CPU
+store = ray.cluster_resources()["object_store_memory"]
 loader = raydl.RayDataLoader(Probe(), batch_size=8, num_workers=2, background_start=False,
                              start_in_process=False)  # every batch from the actors' environment
 rows, ranks = [], set()
@@ -53,7 +56,8 @@ for ids, seen in loader:
     rows += ids.tolist()
     ranks |= set(seen)
 titles = [p.name() for p in psutil.Process().children(recursive=True)]
-print(json.dumps({"rows": sorted(rows), "ranks": sorted(ranks), "titles": sorted(titles)}))
+print(json.dumps({"rows": sorted(rows), "ranks": sorted(ranks), "titles": sorted(titles),
+                  "store": store}))
 """
 
 PRELOAD = """
@@ -127,6 +131,7 @@ def test_under_torchrun_the_actors_take_the_prestarted_workers_and_are_no_rank()
         assert seen["titles"].count("ray::DatasetWorker") == 2, seen["titles"]
         # Ray prestarted 2 workers (one per CPU); both became the loader's actors.
         assert "ray::IDLE" not in seen["titles"], seen["titles"]
+        assert seen["store"] == 200 << 20  # raydl.init(object_store_memory=...) sized it
     assert plain["ranks"] == ["unset"]
     assert ranked["ranks"] == [""]  # blanked: torch.distributed in a worker finds no rank
 

@@ -67,6 +67,7 @@ def ensure_ray(
     address: str | None = None,
     *,
     num_cpus: int | None = None,
+    object_store_memory: int | None = None,
     world: World | None = None,
     preload: Sequence[str] = (),
 ) -> None:
@@ -77,6 +78,8 @@ def ensure_ray(
             embedded local instance (on rank 0 only, when ``world`` has several ranks).
         num_cpus: CPUs the embedded instance may use (all when ``None``). Ignored
             when joining an existing cluster.
+        object_store_memory: Bytes of the embedded instance's object store (Ray's
+            default when ``None``: 30 % of the machine's memory). Ignored when joining.
         world: This process's ranks. With several ranks and no address every rank
             must make this call; under torchrun it is no collective (see the module
             docstring), else it broadcasts over the process group.
@@ -90,9 +93,9 @@ def ensure_ray(
     if world is not None and world.is_distributed and not address:
         # No preload: the ranks' board, a light actor on every rank's first batch, would
         # import Ray Data too (measured on one rank only, so left as before).
-        _ensure_shared_cluster(world, num_cpus)
+        _ensure_shared_cluster(world, num_cpus, object_store_memory)
         return
-    _ensure_ray(address, num_cpus, preload=preload)
+    _ensure_ray(address, num_cpus, object_store_memory, preload=preload)
 
 
 def ensure_ray_for_reads() -> None:
@@ -115,10 +118,12 @@ def starts_without_collectives(address: str | None, world: World) -> bool:
     return not shared or Rendezvous.from_torchrun(world) is not None
 
 
-def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
+def _ensure_shared_cluster(
+    world: World, num_cpus: int | None, object_store_memory: int | None
+) -> None:
     rendezvous = Rendezvous.from_torchrun(world)
     if world.rank == 0:
-        _ensure_ray(None, num_cpus)
+        _ensure_ray(None, num_cpus, object_store_memory)
         import ray
 
         handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
@@ -146,12 +151,13 @@ def _ensure_shared_cluster(world: World, num_cpus: int | None) -> None:
                 "creating Ray datasets, or set RAY_ADDRESS to one cluster for all ranks."
             )
         return
-    _ensure_ray(gcs_address, None, token=token)
+    _ensure_ray(gcs_address, None, None, token=token)
 
 
 def _ensure_ray(
     address: str | None,
     num_cpus: int | None,
+    object_store_memory: int | None,
     *,
     token: str | None = None,
     preload: Sequence[str] = (),
@@ -191,6 +197,7 @@ def _ensure_ray(
                     _embedded_init,
                     address="local",  # a new instance, never another process's cluster
                     num_cpus=num_cpus,
+                    object_store_memory=object_store_memory,
                     include_dashboard=False,
                     dashboard_host="127.0.0.1",  # should any dashboard server start anyway
                     preload=tuple(preload),
