@@ -22,9 +22,8 @@ serial listing's. Many paths given at once are expanded in parallel threads.
 
 Ray: after listing, a reader connects this process to Ray (Ray Data plans need it),
 starting the embedded instance if none is up. Under torchrun every rank joins rank
-0's instance, as a loader does, so calling a reader on every rank needs no
-``raydl.init()`` first (ranks launched without torchrun meet over the process
-group: there every rank must call it).
+0's instance, as a loader does, so a script that reads on its ranks needs no
+``raydl.init()`` first (ranks launched without torchrun's store still do).
 
 Bad files: with the default ``on_bad_file="raise"``, a file that cannot be read
 or decoded (corrupt or truncated parquet, a non-image among images, an empty

@@ -76,8 +76,6 @@ MODES = ("global", "files", "none")  # "none": shuffle=False
 #: Data's own read under the streaming split (2 epochs), then a direct plan in every mode
 #: (3 epochs each). One pair of launches serves the tests below, each on its own records.
 SPLIT_LOADERS = ",".join(["ray/blocks/2", *(f"raydl/{mode}/3" for mode in MODES)])
-#: The same loaders with raydl's own reader first (the launch by hand builds it before Ray is up).
-SPLIT_LOADERS_READER_FIRST = ",".join([*SPLIT_LOADERS.split(",")[1:], "ray/blocks/2"])
 SPLIT_NAMES = ["ray-blocks", *(f"raydl-{mode}" for mode in MODES)]
 SPLIT_EPOCHS = {"ray-blocks": 2, **{f"raydl-{mode}": 3 for mode in MODES}}
 #: Loaders the torchrun launch of ``split_runs`` ends with: a direct plan whose stage raises
@@ -92,9 +90,8 @@ class SplitRuns:
 
     The first, under torchrun, starts with ``_early_collectives.py``'s scenario (its
     loader's background start is the launch's Ray start): ``early`` is what each rank
-    saw. The second is launched by hand, without ``raydl.init()`` (its first loader's
-    ``raydl.read_parquet`` joins rank 0's cluster, over the process group), and ends
-    with a loader under which rank 1 SIGKILLs itself (``dead_*``).
+    saw. The second is launched by hand and ends with a loader under which rank 1
+    SIGKILLs itself (``dead_*``).
     """
 
     runs: list[dict[str, dict[int, list[dict]]]]
@@ -156,12 +153,9 @@ def split_runs(unequal_data: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     seen = {rank: json.loads(Path(f"{early}.rank{rank}").read_text()) for rank in (0, 1)}
     poisoned = {mode: _records(folder / f"run0-poison-{mode}") for mode in POISON_MODES}
     plan_failed = _records(folder / "run0-planfail-files")
-    # By hand, without raydl.init(): the first loader's raydl.read_parquet must join rank 0's
-    # cluster by itself (a private instance on rank 1 would fail its first iter()).
     dies = [
-        "--no-init",
         "--loaders",
-        f"{SPLIT_LOADERS_READER_FIRST},ray/blocks/1/dies",
+        f"{SPLIT_LOADERS},ray/blocks/1/dies",
         "--die-after",
         "5",
         "--timeout",
@@ -240,6 +234,32 @@ def test_direct_plans_run_on_raydls_actors_for_every_rank(split_runs: SplitRuns)
         assert prints[0] == prints[1], mode
         if mode != "none":
             assert len({p for rank in prints[0] for p in rank}) == 6, mode
+
+
+@pytest.mark.timeout(300)
+def test_raydl_readers_join_rank_0s_cluster_without_raydl_init(
+    unequal_data: Path, tmp_path: Path
+) -> None:
+    """Each rank's first Ray call is ``raydl.read_parquet``, with no ``raydl.init()`` before it.
+
+    Under torchrun the reader joins rank 0's cluster, so the loader after it runs on the
+    shared path. Before session 19 each rank's reader started an embedded instance of its
+    own and rank 1's first ``iter()`` failed ("rank 1 is connected to the Ray cluster at
+    ..., but rank 0 runs the job's cluster at ...").
+    """
+    prefix = tmp_path / "readers"
+    proc = _torchrun(
+        str(SCRIPT), "--no-init", "--record", str(prefix), "--data", str(unequal_data),
+        "--loaders", "raydl/files/1", timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (first,), (second,) = (_records(prefix)[rank] for rank in (0, 1))
+    for rank, record in enumerate((first, second)):
+        assert f"rank {rank} of 2" in record["summary"], record  # rows dealt by rank 0's pool
+    ids = first["ids"] + second["ids"]
+    kept = [i for i in range(TOTAL_ROWS) if i % 10 != 7]  # _consume's filter drops the sevens
+    assert len(first["ids"]) == len(second["ids"])
+    assert len(set(ids)) == len(ids) and set(ids) <= set(kept) and len(ids) >= len(kept) - 1
 
 
 @pytest.mark.timeout(300)

@@ -101,15 +101,22 @@ def ensure_ray(
 def ensure_ray_for_reads() -> None:
     """Connect this process before a reader plans its read (Ray Data's readers need Ray).
 
-    Every rank of a job joins rank 0's cluster, as a loader does (:func:`ensure_ray`
-    with this process's world): a reader that started an embedded instance of its own
-    on each rank would leave the ranks unable to share one pipeline (the loader would
-    then refuse to run). Under torchrun that is no collective (rank 0 publishes its
-    cluster in torchrun's store); ranks launched by hand meet over the process group,
-    so there every rank must call the reader. An embedded instance started for reads
-    (one rank) preloads Ray Data in its workers (:data:`RAY_DATA_WORKERS`).
+    Under torchrun every rank joins rank 0's cluster, as a loader does: a reader that
+    started an embedded instance of its own on each rank would leave the ranks unable
+    to share one pipeline (the loader would then refuse to run). That needs no
+    collective (rank 0 publishes its cluster in torchrun's store), so a reader may run
+    on any subset of the ranks. Ranks launched without torchrun's store would have to
+    meet over the process group, which a read on rank 0 alone would leave waiting
+    forever: there a reader starts (or joins) a cluster as in one process, and a
+    script that reads on every rank calls ``raydl.init()`` first (the loader's error
+    says so). An embedded instance started for reads by one process preloads Ray Data
+    in its workers (:data:`RAY_DATA_WORKERS`).
     """
-    ensure_ray(world=World.detect(), preload=RAY_DATA_WORKERS)
+    world = World.detect()
+    if world.is_distributed and starts_without_collectives(None, world):
+        ensure_ray(world=world)
+    else:
+        ensure_ray(preload=RAY_DATA_WORKERS)
 
 
 def starts_without_collectives(address: str | None, world: World) -> bool:
