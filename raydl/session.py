@@ -34,11 +34,12 @@ def init(
         num_cpus: CPUs of the embedded instance (default: all of this machine).
         object_store_memory: Bytes of the embedded instance's object store (default:
             Ray's, 30 % of this machine's memory). The pages the loader's actors write
-            there stay resident, up to the store's size: batches of 38 MB, fewer than 10
-            alive at once, left about 2 GB resident in a long run with the default store
-            (7 GB on a 24 GB machine) and 292 MB with a 300 MB store. A globally shuffled
-            epoch keeps its whole map output there; what does not fit is spilled to
-            disk. Under torchrun, rank 0's applies.
+            there stay resident, up to the store's size. Measured on a 24 GB machine
+            (default store 7 GB): an actor returning 38 MB arrays, fewer than 10 alive
+            at once, held about 2 GB of them after 250 arrays; a map-style loader
+            decoding 224x224 JPEGs held 821 MB after 4 epochs, 292 MB with a 300 MB
+            store. A globally shuffled epoch keeps its whole map output there; what
+            does not fit is spilled to disk. Under torchrun, rank 0's applies.
         world: Rank and world size; detected from torch.distributed/torchrun when ``None``.
 
     Example:

@@ -95,7 +95,9 @@ def ensure_ray(
         # import Ray Data too (measured on one rank only, so left as before).
         _ensure_shared_cluster(world, num_cpus, object_store_memory)
         return
-    _ensure_ray(address, num_cpus, object_store_memory, preload=preload)
+    _ensure_ray(
+        address, num_cpus=num_cpus, object_store_memory=object_store_memory, preload=preload
+    )
 
 
 def ensure_ray_for_reads() -> None:
@@ -130,7 +132,7 @@ def _ensure_shared_cluster(
 ) -> None:
     rendezvous = Rendezvous.from_torchrun(world)
     if world.rank == 0:
-        _ensure_ray(None, num_cpus, object_store_memory)
+        _ensure_ray(None, num_cpus=num_cpus, object_store_memory=object_store_memory)
         import ray
 
         handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
@@ -158,14 +160,14 @@ def _ensure_shared_cluster(
                 "creating Ray datasets, or set RAY_ADDRESS to one cluster for all ranks."
             )
         return
-    _ensure_ray(gcs_address, None, None, token=token)
+    _ensure_ray(gcs_address, token=token)
 
 
 def _ensure_ray(
     address: str | None,
-    num_cpus: int | None,
-    object_store_memory: int | None,
     *,
+    num_cpus: int | None = None,
+    object_store_memory: int | None = None,
     token: str | None = None,
     preload: Sequence[str] = (),
 ) -> None:

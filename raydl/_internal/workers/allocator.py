@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from typing import Any
 
@@ -43,6 +44,17 @@ MMAP_THRESHOLD = 64 << 20
 TRIM_THRESHOLD = 64 << 20
 
 
+@functools.cache
+def _glibc(name: str, argtypes: tuple[Any, ...]) -> Any:
+    """glibc's function ``name`` (returning an ``int``), or ``None`` on another C library."""
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):  # not glibc
+        return None
+    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    return function
+
+
 def keep_freed_memory() -> bool:
     """Raise this process's ``malloc`` thresholds (glibc only; see the module's text).
 
@@ -51,18 +63,12 @@ def keep_freed_memory() -> bool:
     """
     if not sys.platform.startswith("linux") or not env.keep_freed_memory():
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
-
-
-_trim: Any = None  # glibc's malloc_trim, False elsewhere; looked up once
 
 
 def release_freed_memory() -> None:
@@ -73,13 +79,6 @@ def release_freed_memory() -> None:
     glibc's defaults, left the benchmark's trainer at 660-830 MB PSS on full-size
     ``mapstyle_decode`` against 230 MB with it (docs/benchmarks.md, session 18).
     """
-    global _trim
-    if _trim is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _trim = libc.malloc_trim
-            _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):  # not glibc
-            _trim = False
-    if _trim:
-        _trim(0)
+    trim = _glibc("malloc_trim", (ctypes.c_size_t,))
+    if trim is not None:
+        trim(0)
