@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,10 @@ LEFTOVER_GRACE_S = 5.0
 
 #: A process: (pid, start time in clock ticks since boot); the pair survives pid reuse.
 Proc = tuple[int, int]
+
+#: The instance's session folder in its processes' command lines (``--session-dir=``,
+#: ``--object-store-name=<session>/sockets/plasma_store``, ...).
+_SESSION = re.compile(rb"/session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_\d+")
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -83,6 +88,27 @@ def ray_children(pid: int, ray_dir: str) -> set[Proc]:
         (child, start)
         for child, (parent, start) in _table().items()
         if parent == pid and marker in _cmdline(child)
+    }
+
+
+def _sessions(procs: set[Proc]) -> set[bytes]:
+    """The session folders named in the command lines of ``procs``."""
+    return {m.group() for pid, _ in procs for m in _SESSION.finditer(_cmdline(pid))}
+
+
+def _of_sessions(sessions: set[bytes]) -> set[Proc]:
+    """Every live process (but this one) whose command line names one of ``sessions``.
+
+    The raylet's workers that it forked just before it died: reparented before the
+    next look, they are no one's descendants any more, but they still name their
+    session (and would wait for their raylet until Ray's own timeout).
+    """
+    if not sessions:
+        return set()
+    return {
+        (pid, start)
+        for pid, (_, start) in _table().items()
+        if pid != os.getpid() and any(session in _cmdline(pid) for session in sessions)
     }
 
 
@@ -160,6 +186,7 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
     """
     tracked: set[Proc] = set()
     core: set[Proc] = set()
+    sessions: set[bytes] = set()  # the instance's session folders, from its GCS and raylet
     over_at: float | None = None  # when the GCS and raylet were found gone
     while True:
         stat = _stat(driver[0])
@@ -171,7 +198,9 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
             over_at = over_at or time.monotonic()
         if driver_alive and over_at is None:
             new = ray_children(driver[0], ray_dir) - exclude - tracked
-            core |= {proc for proc in new if _is_core(proc[0])}
+            found = {proc for proc in new if _is_core(proc[0])}
+            core |= found
+            sessions |= _sessions(found)
             tracked |= new
         if not tracked and (core or not driver_alive):
             return  # ray.shutdown(), or a driver that never started Ray
@@ -181,6 +210,11 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
             over_at is not None and time.monotonic() - over_at > LEFTOVER_GRACE_S
         ):
             _kill(tracked)
+            # Workers forked in the last moments escaped the descendants' walk: the
+            # session's name finds them (twice: one may still be forking).
+            for _ in range(2):
+                _kill(_alive_with_descendants(_of_sessions(sessions)))
+                time.sleep(POLL_S)
             return
         time.sleep(POLL_S)
 
