@@ -45,13 +45,6 @@ class KillOnce:
         return batch
 
 
-def crash_on_poison(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``map_batches`` function: the process dies on row 57, every time."""
-    if 57 in batch["id"]:
-        os._exit(1)
-    return batch
-
-
 def reject_row_57(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``map_batches`` function: a user error on row 57."""
     if 57 in batch["id"]:
