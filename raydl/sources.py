@@ -264,7 +264,12 @@ def read_parquet(
         reader="read_parquet",
         written=_as_path_list(paths),
     )
-    cluster.ensure_ray_for_reads()
+    # The plan is built while Ray starts (Ray's own reader waits for it; the skip
+    # ledger, an actor, needs it at once).
+    if policy == "skip":
+        cluster.ensure_ray_for_reads()
+    else:
+        cluster.begin_ray_for_reads()
     return parquet.read_dataset(
         fs,
         files,
@@ -272,7 +277,7 @@ def read_parquet(
         columns=columns,
         include_paths=include_paths,
         options={k: v for k, v in ray_options.items() if k not in LISTING_OPTIONS},
-        cpus=cluster.cpus(),
+        cpus=cluster.read_cpus(),
     )
 
 
@@ -416,6 +421,7 @@ def read_binary_files(
 
     from raydl._internal.io import skipping, skips
     from raydl._internal.io.files import READ_DATASOURCE_OPTIONS, FileListDatasource
+    from raydl._internal.ray_compat import reads
 
     policy = skips.validate_policy(on_bad_file)
     stripped, fs = resolve_filesystem(
@@ -434,11 +440,13 @@ def read_binary_files(
             reader="read_binary_files",
             written=written,
         )
-        cluster.ensure_ray_for_reads()
         if policy == "skip":
+            cluster.ensure_ray_for_reads()
             skips.ledger()  # owned by this driver, so it lives as long as the job
+        else:
+            cluster.begin_ray_for_reads()  # the plan is built while Ray starts
         source = FileListDatasource(files, fs, include_paths=include_paths, on_bad_file=policy)
-        return ray.data.read_datasource(source, **ray_options)
+        return reads.read_datasource(source, cpus=cluster.read_cpus(), **ray_options)
     _check_before_ray("read_binary_files", fs, stripped, written, ray_options)
     cluster.ensure_ray_for_reads()
     if policy == "raise":

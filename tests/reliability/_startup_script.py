@@ -13,6 +13,10 @@ Modes:
         drop it when told on stdin (``dropped``).
     gated_then_dropped: ``gated`` (its loader closed: ``closed``), then, when told on
         stdin, ``dropped`` in the same process.
+    gated_read: ``ray.init`` held as in ``gated``; a raydl read returns before Ray is up,
+        a ``ds.count()`` of the script waits for raydl's start, and a loader's first
+        epochs load in this process meanwhile; then epochs with Ray up, and the same
+        epochs from a loader built once Ray was up.
 """
 
 from __future__ import annotations
@@ -112,9 +116,60 @@ def dropped(record: dict, folder: str) -> None:
     sys.stdin.readline()  # the test looks at this process's actors, then ends it
 
 
+def _double(batch: dict) -> dict:
+    return {"id": batch["id"], "twice": batch["id"] * 2}
+
+
+def gated_read(record: dict, folder: str) -> None:
+    import ray
+
+    real_init, gate = ray.init, threading.Event()
+
+    def gated_init(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(120)
+        return real_init(*args, **kwargs)
+
+    ray.init = gated_init
+    import raydl
+    from raydl._internal.runtime import cluster
+
+    began = time.perf_counter()
+    ds = raydl.read_parquet(folder).map_batches(_double)
+    record["read_s"] = time.perf_counter() - began
+    record["initialized_after_read"] = ray.is_initialized()
+
+    def loader() -> raydl.RayDataLoader:
+        torch.manual_seed(3)
+        return raydl.RayDataLoader(ds, batch_size=4, shuffle=True, shuffle_mode="files")
+
+    first = loader()
+    held = [[b["id"].tolist() for b in first] for _ in range(2)]
+    record["initialized_after_held_epochs"] = ray.is_initialized()
+    counted: list[int] = []
+    counter = threading.Thread(target=lambda: counted.append(ds.count()), daemon=True)
+    counter.start()
+    counter.join(0.5)
+    record["count_waited_for_the_start"] = counter.is_alive() and not ray.is_initialized()
+    gate.set()
+    counter.join(120)
+    record["count"] = counted
+    record["started_by_raydl"] = cluster._started_by_raydl
+    up = [[b["id"].tolist() for b in first] for _ in range(2)]
+    record["summaries"] = [e["ray_data"] for e in first.stats()["epochs"]]
+    first.close()
+    second = loader()
+    record["same_as_a_loader_built_with_ray_up"] = [
+        [b["id"].tolist() for b in second] for _ in range(4)
+    ] == held + up
+    second.close()
+    record["epochs"] = held + up
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["gated", "epochs", "dropped", "gated_then_dropped"])
+    parser.add_argument(
+        "mode", choices=["gated", "epochs", "dropped", "gated_then_dropped", "gated_read"]
+    )
     parser.add_argument("record")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--folder", default="")
@@ -127,6 +182,8 @@ def main() -> None:
             gated_then_dropped(record, args.folder)
         elif args.mode == "epochs":
             epochs(record, args.epochs)
+        elif args.mode == "gated_read":
+            gated_read(record, args.folder)
         else:
             dropped(record, args.folder)
     finally:

@@ -139,6 +139,34 @@ def test_construction_returns_while_ray_starts_then_a_dropped_loader_leaves_no_r
 
 
 @pytest.mark.timeout(240)
+def test_a_read_plan_loads_its_first_epochs_here_while_ray_starts_and_ray_calls_wait(
+    tmp_path: Path, ray_tmp: str
+) -> None:
+    """``raydl.read_parquet`` returns before Ray is up (``ray.init`` held by the script);
+    a loader's first epochs load in the trainer meanwhile, in the order a loader built
+    with Ray up gives; the script's own ``ds.count()`` waits for raydl's start rather
+    than starting a second instance."""
+    record = tmp_path / "record.json"
+    folder = _parquet_folder(tmp_path)
+    proc = _start("gated_read", record, ray_tmp, "--folder", str(folder))
+    try:
+        _, err = proc.communicate(timeout=200)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    seen = json.loads(record.read_text())
+    assert seen["initialized_after_read"] is False
+    assert seen["count_waited_for_the_start"] is True
+    assert seen["initialized_after_held_epochs"] is False  # both epochs while Ray was held
+    assert seen["count"] == [32] and seen["started_by_raydl"] is True
+    for epoch in seen["epochs"]:
+        assert sorted(x for batch in epoch for x in batch) == list(range(32))
+    assert seen["epochs"][0] != seen["epochs"][1]  # a new file order each epoch
+    assert all("4 runs loaded in the training process" in s for s in seen["summaries"][:2])
+    assert seen["same_as_a_loader_built_with_ray_up"] is True
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("moment", "after", "background"),
     [

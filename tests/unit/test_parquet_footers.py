@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-import ray.data
 from fsspec.implementations.local import LocalFileSystem
 
 from raydl._internal.io import parquet, skips
 from raydl._internal.io.parquet import ParquetFilesDatasource, read_dataset, read_footers
+from raydl._internal.ray_compat import reads
 
 
 class CountingFS(LocalFileSystem):
@@ -64,11 +64,11 @@ def test_skip_reads_each_footer_once_and_the_plan_reuses_them(
     fs = pafs.PyFileSystem(pafs.FSSpecHandler(counting))
     built: dict[str, Any] = {}
 
-    def read_datasource(source: Any, **options: Any) -> str:
-        built.update(source=source, options=options)
+    def read_datasource(source: Any, *, cpus: int, **options: Any) -> str:
+        built.update(source=source, options=options, cpus=cpus)
         return "dataset"
 
-    monkeypatch.setattr(ray.data, "read_datasource", read_datasource)
+    monkeypatch.setattr(reads, "read_datasource", read_datasource)
     out = read_dataset(
         fs, files, on_bad_file="skip", columns=None, include_paths=False, options={}, cpus=2
     )
@@ -81,7 +81,7 @@ def test_skip_reads_each_footer_once_and_the_plan_reuses_them(
     assert isinstance(source, ParquetFilesDatasource)
     good = [path for i, (path, _) in enumerate(files) if i not in (1, 4)]
     assert [path for path, _ in source.files] == good
-    assert built["options"] == {"override_num_blocks": 2}
+    assert built["options"] == {"override_num_blocks": 2} and built["cpus"] == 2
 
 
 @pytest.mark.timeout(30)

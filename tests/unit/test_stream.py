@@ -542,13 +542,14 @@ def _run_blocks(request: tuple[str, int]) -> list[dict[str, np.ndarray]]:
 
 def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
     from raydl._internal.stream.batching import cut_batches
-    from raydl._internal.stream.direct_producer import DirectProducer
+    from raydl._internal.stream.direct_producer import Actors, DirectProducer
     from raydl._internal.stream.dispatch import ActorStart
 
+    start = ActorStart("fetch", "warm") if local is not None else None
     producer = DirectProducer(
-        FakePool(2),
+        Actors(FakePool(2), start=start),
         [("run", i) for i in range(8)],
-        window=4,
+        window_per_actor=2,
         prefetch=2,
         cut=lambda blocks: cut_batches(blocks, batch_size=7, drop_last=False, buffer=30, seed=5),
         collate=lambda batch: batch["x"].tolist(),
@@ -561,7 +562,6 @@ def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
         name="test-direct",
         calls=calls,
         local=local,
-        start=ActorStart("fetch", "warm") if local is not None else None,
     )
     return list(EpochIterator(producer, epoch=0)), producer
 

@@ -391,8 +391,8 @@ def _where(work: EpochWork, place: str, task: Task) -> str:
 WARM_UP = LoadRun(())
 
 
-def load_here(work: EpochWork, request: tuple[Any, LoadRun]) -> list[dict[str, np.ndarray]]:
-    """A streaming request's run loaded in this process, as an actor loads it.
+def load_here(work: EpochWork, task: LoadRun) -> list[dict[str, np.ndarray]]:
+    """A streaming epoch's run loaded in this process, as an actor loads it.
 
     For the runs an epoch sends while its pool's actors start
     (:class:`~raydl._internal.stream.direct_producer.DirectProducer`): a run is a pure
@@ -400,7 +400,6 @@ def load_here(work: EpochWork, request: tuple[Any, LoadRun]) -> list[dict[str, n
     :class:`LocalRuns` relies on for elastic resume). An error names the stages and
     the files as an actor's does, and says it was raised here.
     """
-    _, task = request
     try:
         return work.load(task.paths, own_context=False)
     except Exception:

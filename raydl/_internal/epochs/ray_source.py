@@ -55,10 +55,10 @@ from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.state import LoaderState
 from raydl._internal.ray_compat.datasets import known_row_count
 from raydl._internal.runtime import cluster
-from raydl._internal.runtime.startup import Warm
+from raydl._internal.runtime.startup import BackgroundStart, Warm, connect
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.batching import cut_batches
-from raydl._internal.stream.direct_producer import DirectProducer
+from raydl._internal.stream.direct_producer import Actors, DirectProducer
 from raydl._internal.stream.dispatch import ActorStart
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
@@ -88,6 +88,7 @@ class RaySource(RankEpochs):
         self._next = NextEpoch()  # the next epoch, started early
         self._direct_pool: WorkerPool | None = None  # runs simple file plans (direct.py)
         self._actor_start: ActorStart | None = None  # whether that pool's actors answered
+        self._startup: BackgroundStart | None = None  # the loader's start, while it runs
         self._splits: Any = None  # rank 0: the epoch's parts, alive until every rank ended it
         self._board: Any = None  # several ranks, direct epochs: rank 0's board (its actor)
         self._mode: str | None = None  # several ranks: the last epoch's direct mode, if any
@@ -104,9 +105,34 @@ class RaySource(RankEpochs):
     #: instance it starts has them import it as they start (``cluster.ensure_ray``).
     worker_modules = cluster.RAY_DATA_WORKERS
 
-    def takes_start(self, startup: Any) -> bool:
-        """``False``: the loader waits for its start before an epoch (plans are made on Ray)."""
-        return False
+    def takes_start(self, startup: BackgroundStart | None) -> bool:
+        """Keep the loader's start on one rank: an epoch waits for it only when it needs Ray.
+
+        A streaming direct epoch may start while Ray still starts (a reader's plan is
+        built without Ray): its first runs then load here (``DirectProducer``).
+        Several ranks agree on each epoch over Ray, so there the loader waits.
+        """
+        if self._world.is_distributed:
+            return False
+        if startup is not None:
+            self._startup = startup
+        return True
+
+    def _connect(self) -> None:
+        """Wait for the loader's start, raising its error, and make sure Ray is connected."""
+        startup, self._startup = self._startup, None
+        connect(startup, self._settings.options.ray_address, self._world, self.worker_modules)
+
+    def _ray_up(self) -> bool:
+        """Whether an epoch may use Ray without waiting for a start under way.
+
+        The loader's start, or a reader's (``cluster.begin_ray_for_reads``); with
+        neither under way the epoch connects (starting Ray) itself.
+        """
+        startup = self._startup
+        if startup is not None:
+            return startup.done
+        return not cluster.reads_starting()
 
     def warm(self) -> Warm[None] | None:
         """What the loader's background start warms: epoch 0, started at construction.
@@ -172,6 +198,8 @@ class RaySource(RankEpochs):
         """Start ``epoch``, or the rest of it when ``resume``; the epoch run may be rank 0's."""
         world = self._world
         elastic = resume is not None and resume.needs_elastic(world.world_size)
+        if elastic:
+            self._connect()
         if not world.is_distributed and not elastic:
             skip = resume.batches_consumed if resume is not None else 0
             started = self._next.take(epoch) if skip == 0 else None
@@ -184,7 +212,10 @@ class RaySource(RankEpochs):
         return self._ranks_epoch(epoch, resume, elastic=elastic)
 
     def close(self) -> None:
-        """Stop the early epoch, the direct actors and rank 0's splits."""
+        """Stop the loader's start, the early epoch, the direct actors and rank 0's splits."""
+        startup, self._startup = self._startup, None
+        if startup is not None:
+            startup.cancel()
         self._next.discard()
         dealing, self._dealing = self._dealing, None
         if dealing is not None:
@@ -239,6 +270,8 @@ class RaySource(RankEpochs):
         if direct is None:
             direct = options.direct_execution
         plan, simple = self._plans(epoch, direct)
+        if simple is None or simple.exchange is not None:
+            self._connect()  # only a streaming direct epoch starts before Ray is up
         start_next = self._next_starter(epoch)
         record = EpochRecord(epoch=epoch, direct=simple is not None)
         producer: Producer
@@ -326,17 +359,13 @@ class RaySource(RankEpochs):
         import ray
 
         settings = self._settings
-        pool = self._pool_for(direct, plan)
         files = direct.source.files
-        collate = settings.collate_fn or numpy_batch_to_tensors
         here = direct.work(plan.dataset.context)
-        work = ray.put(here)
-        if self._actor_start is None and settings.options.start_in_process:
-            self._actor_start = ActorStart("fetch", ([work], WARM_UP))  # once per pool
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
             exchange = direct.exchange
-            phase, whole = self._map_phase(pool, work, direct)
+            pool = self._pool_for(direct, plan)
+            phase, whole = self._map_phase(pool, ray.put(here), direct)
             return self._exchange_producer(
                 phase,
                 exchange.reduce,
@@ -349,24 +378,33 @@ class RaySource(RankEpochs):
                     f"on {len(pool)} raydl actors ({len(files)} files)"
                 ),
             )
-        return DirectProducer(
-            pool,
+
+        def actors() -> Actors:  # on the epoch's thread, once Ray is up
+            self._connect()
+            pool = self._pool_for(direct, plan)
             # Nested in a list, the reference reaches the actors unresolved (they keep it).
-            [([work], LoadRun(tuple(run))) for run in direct.runs()],
-            window=settings.prefetch * len(pool),
+            work = [ray.put(here)]
+            if self._actor_start is None and settings.options.start_in_process:
+                self._actor_start = ActorStart("fetch", (work, WARM_UP))  # once per pool
+            return Actors(pool, lambda run: (work, run), self._actor_start)
+
+        return DirectProducer(
+            actors,
+            [LoadRun(tuple(run)) for run in direct.runs()],
+            window_per_actor=settings.prefetch,
             prefetch=settings.prefetch,
             cut=self._cut(plan.local_shuffle_buffer_size, plan.local_shuffle_seed),
-            collate=collate,
+            collate=settings.collate_fn or numpy_batch_to_tensors,
             skip=skip,
             start_next=start_next,
             window_bytes=WINDOW_BYTES,
             size_of=loaded_bytes,
             describe=lambda request: describe_run(request[1].paths),
-            description=f"{names} on {len(pool)} raydl actors ({len(files)} files)",
+            description=f"{names} on {{actors}} raydl actors ({len(files)} files)",
             name=f"raydl-epoch-{epoch}-direct",
-            # While the pool's actors start, runs load here (the same batches).
-            local=functools.partial(load_here, here),
-            start=self._actor_start,
+            # While Ray and the pool's actors start, runs load here (the same batches).
+            local=functools.partial(load_here, here) if settings.options.start_in_process else None,
+            ray_up=self._ray_up,
         )
 
     #: A global shuffle's map phase replies with one object per run (``map_phase``'s

@@ -31,6 +31,7 @@ from ray.data.datasource import Datasource, ReadTask
 from raydl._internal.io import skips
 from raydl._internal.io.fs import flush_cache
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
+from raydl._internal.ray_compat import reads
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -78,6 +79,7 @@ class FileRunsDatasource(Datasource):
         return self._files
 
     def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[ReadTask]:
+        reads.before_read_tasks()  # an execution may begin while raydl's start runs
         # As few tasks as Ray's parallelism allows: each task costs a scheduling round
         # trip (tens of ms here), so 5,000 small images in ten tasks of 500 ran at
         # 6.9 k images/s and in four tasks at 8.3-9.0 k (2 CPUs). Bounded by files and

@@ -304,7 +304,7 @@ def read_dataset(
             paths, footers, filesystem, schema=schema, columns=columns, include_paths=include_paths
         )
         options.setdefault("override_num_blocks", read_tasks_for(footers, cpus))
-        return ray.data.read_datasource(source, **options)
+        return reads.read_datasource(source, cpus=cpus, **options)  # Ray may still be starting
     options.setdefault("override_num_blocks", max(len(paths), cpus))
     if options.get("schema") is None and len(paths) > 1:
         options["schema"] = unify_schemas(paths, [f.schema for f in footers])

@@ -18,7 +18,12 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
 * the module ``ray.data._internal.progress``, whose logger announces that progress
   bars are off;
 * Ray's driver-side modules that draw from Python's global ``random`` (ports, ids,
-  retry jitter; :data:`RANDOM_USERS`), which :func:`private_random` points elsewhere.
+  retry jitter; :data:`RANDOM_USERS`), which :func:`private_random` points elsewhere;
+* ``ray._private.auto_init_hook.auto_init_lock``, the lock Ray's implicit
+  ``ray.init()`` (its "auto-init" before the first ``ray.get``, ``ray.remote``, ...)
+  takes before it looks whether Ray is up (:func:`hold_auto_init`);
+* ``ray._private.utils.get_num_cpus``, the CPU count a new local instance takes
+  (:func:`local_cpus`).
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ import random
 import sys
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = [
     "PROGRESS_LOGGER",
     "check",
+    "hold_auto_init",
     "in_worker",
     "lean_head",
+    "local_cpus",
     "preloading",
     "private_random",
     "raylet_env",
@@ -49,6 +56,43 @@ _patching = threading.RLock()  # one patch of Ray at a time (they nest)
 
 #: The logger Ray Data's progress reporting logs to.
 PROGRESS_LOGGER = "ray.data._internal.progress"
+
+
+def hold_auto_init() -> Callable[[], None]:
+    """Hold Ray's auto-init lock until the returned function is called (from any thread).
+
+    While raydl starts Ray on a background thread, a Ray call of the script (a Ray
+    Data plan's ``ds.count()``, a ``ray.get``) would start a second, plain instance
+    (Ray's auto-init: a ``ray.init()`` without arguments when none is up). Ray takes
+    this lock before it looks whether Ray is up, so such a call waits until the
+    holder releases it, then finds raydl's instance up and uses it. The holder must
+    not make such a call itself before it releases the lock (the lock is not
+    reentrant; ``ray.init`` itself makes none).
+
+    Relies on ``ray._private.auto_init_hook.auto_init_lock``.
+    """
+    from ray._private import auto_init_hook
+
+    lock = auto_init_hook.auto_init_lock
+    lock.acquire()
+    released = threading.Event()
+
+    def release() -> None:
+        if not released.is_set():
+            released.set()
+            lock.release()
+
+    return release
+
+
+def local_cpus() -> int:
+    """The CPUs a Ray instance started here without ``num_cpus`` would have (at least 1).
+
+    Relies on ``ray._private.utils.get_num_cpus`` (cgroup limits included).
+    """
+    from ray._private import utils
+
+    return max(1, int(utils.get_num_cpus()))
 
 
 def reload_config() -> None:
@@ -215,3 +259,10 @@ def check() -> None:
         raise AttributeError("ray._private.worker has no WORKER_MODE or global_worker.mode")
     if importlib.util.find_spec(PROGRESS_LOGGER) is None:
         raise ModuleNotFoundError(f"Ray has no module {PROGRESS_LOGGER} (its logger is quieted)")
+    from ray._private import auto_init_hook, utils
+
+    lock = getattr(auto_init_hook, "auto_init_lock", None)
+    if not (callable(getattr(lock, "acquire", None)) and callable(getattr(lock, "release", None))):
+        raise AttributeError("ray._private.auto_init_hook has no auto_init_lock")
+    if not callable(getattr(utils, "get_num_cpus", None)):
+        raise AttributeError("ray._private.utils has no get_num_cpus()")

@@ -13,8 +13,14 @@ from typing import Any
 
 
 def known_row_count(dataset: Any) -> int | None:
-    """``dataset``'s rows if its plan knows them without executing, else ``None``."""
-    count: int | None = dataset._meta_count()
+    """``dataset``'s rows if its plan knows them without executing, else ``None``.
+
+    Needs no Ray (a raydl read's plan may be inspected while Ray starts).
+    """
+    from raydl._internal.ray_compat import reads
+
+    with reads.without_ray():
+        count: int | None = dataset._meta_count()
     return count
 
 

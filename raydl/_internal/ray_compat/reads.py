@@ -8,14 +8,22 @@ Relies on these private parts of Ray Data (checked by :func:`check`):
   **open_args)`` and ``_read_stream(f, path)``, and its ``_data_context`` (the
   ``DataContext`` the datasource was built under);
 * ``DataContext.use_datasource_v2``, which picks the parquet reader ``read_parquet``
-  builds.
+  builds;
+* what ``ray.data.read_datasource`` does to build its plan (:func:`plan_read`):
+  ``read_api._resolve_read_remote_args`` and ``_get_datasource_or_legacy_reader``,
+  ``_internal.util.get_compute_strategy_for_read_api``, the logical operator
+  ``Read``, ``LogicalPlan``, ``DatasetStats`` and ``Dataset(logical_plan, context,
+  in_stats)``; ``auto_init_hook.auto_init_ray``, Ray's implicit start
+  (:func:`before_read_tasks`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ray.data._internal.datasource.binary_datasource import BinaryDatasource
@@ -35,8 +43,12 @@ __all__ = [
     "ImageDatasource",
     "ImageFileMetadataProvider",
     "WholeFileGuard",
+    "before_read_tasks",
     "check",
     "parquet_reader_v1",
+    "plan_read",
+    "read_datasource",
+    "without_ray",
 ]
 
 #: The file extensions ``ray.data.read_images`` reads by default.
@@ -134,6 +146,128 @@ def parquet_reader_v1() -> Iterator[None]:
         context.use_datasource_v2 = saved
 
 
+_planning = threading.local()  # raydl builds or inspects a plan on this thread, Ray or not
+
+
+@contextlib.contextmanager
+def without_ray() -> Iterator[None]:
+    """While in it, raydl's datasources give their read tasks on this thread without Ray.
+
+    For raydl's own look at a plan while Ray may still start: :func:`plan_read`, a
+    plan's row count (``datasets.known_row_count``; Ray Data asks the datasource).
+    """
+    saved = getattr(_planning, "active", False)
+    _planning.active = True
+    try:
+        yield
+    finally:
+        _planning.active = saved
+
+
+def before_read_tasks() -> None:
+    """What a raydl datasource's ``get_read_tasks`` does first: connect as Ray's API calls do.
+
+    Ray Data asks a plan's datasource for its read tasks when it executes the plan
+    or infers its metadata, and when it executes it then looks at the cluster's
+    resources without connecting first (a plan built by Ray's readers was built
+    connected). A plan built by :func:`plan_read` may be used by the script
+    (``ds.count()``, ``ds.schema()``) before raydl's start ends: this makes Ray's
+    implicit start happen there, which waits for raydl's start
+    (``cluster.hold_auto_init``) and then finds its instance. Not within
+    :func:`without_ray` (raydl's own look at a plan, which needs no Ray).
+
+    Relies on ``ray._private.auto_init_hook.auto_init_ray``.
+    """
+    if getattr(_planning, "active", False):
+        return
+    from ray._private import auto_init_hook
+
+    auto_init_hook.auto_init_ray()
+
+
+def read_datasource(datasource: Any, *, cpus: int, **options: Any) -> Any:
+    """``ray.data.read_datasource(datasource, **options)`` when Ray is up, else :func:`plan_read`.
+
+    Never starts Ray (Ray's function would, or would wait for raydl's start).
+    """
+    import ray
+    import ray.data
+
+    if ray.is_initialized():
+        return ray.data.read_datasource(datasource, **options)
+    return plan_read(datasource, cpus=cpus, **options)
+
+
+def plan_read(datasource: Any, *, cpus: int, **options: Any) -> Any:
+    """``ray.data.read_datasource(datasource, **options)``, built without Ray.
+
+    Ray's function builds the same plan but first connects to Ray, starting it if
+    it is down (``wrap_auto_init``, and the placement group it looks up). Nothing
+    else of the plan depends on the cluster but its CPU count (the read tasks Ray
+    makes without ``override_num_blocks``: ``cpus`` stands for it), so this builds
+    it as Ray does, with Ray down: raydl's readers return while Ray starts in the
+    background. The plan runs on Ray as any other; an executing call made before
+    Ray is up waits for raydl's start (``cluster.hold_auto_init``).
+
+    Relies on the steps of ``ray.data.read_datasource`` (module docstring); the plan
+    is checked against Ray's own in ``tests/integration/test_sources.py``.
+
+    Args:
+        datasource: A Ray Data ``Datasource``.
+        cpus: The CPUs of the cluster the plan will run on.
+        **options: ``override_num_blocks``, ``concurrency``, ``num_cpus``, ``memory``,
+            ``ray_remote_args`` and the other named arguments of
+            ``ray.data.read_datasource``; the rest go to a legacy reader.
+    """
+    from ray.data import read_api
+    from ray.data._internal.logical.interfaces import LogicalPlan
+    from ray.data._internal.logical.operators.read_operator import Read
+    from ray.data._internal.stats import DatasetStats
+    from ray.data._internal.util import _autodetect_parallelism, get_compute_strategy_for_read_api
+    from ray.data.context import DataContext
+    from ray.data.dataset import Dataset
+    from ray.util.placement_group import PlacementGroup
+
+    blocks = options.pop("override_num_blocks", None)
+    parallelism = -1 if blocks is None else int(blocks)
+    compute = options.pop("compute", None)
+    concurrency = options.pop("concurrency", None)
+    named = {
+        name: options.pop(name, None)
+        for name in (
+            "num_cpus", "num_gpus", "memory", "label_selector", "fallback_strategy",
+            "max_calls", "resources", "accelerator_type", "runtime_env", "ray_remote_args",
+        )
+    }  # fmt: skip
+    ctx = DataContext.get_current()
+    remote_args = read_api._resolve_read_remote_args(datasource, ctx=ctx, **named)
+    reader = read_api._get_datasource_or_legacy_reader(datasource, ctx, options)
+    requested, _, _ = _autodetect_parallelism(
+        parallelism,
+        ctx.target_max_block_size,
+        ctx,
+        reader,
+        placement_group=PlacementGroup.empty(),  # a driver's: none (Ray would look it up)
+        avail_cpus=cpus,
+    )
+    with without_ray():
+        tasks = reader.get_read_tasks(requested)
+    stats = DatasetStats(
+        metadata={"Read": [replace(task.metadata, input_files=None) for task in tasks]},
+        parent=None,
+    )
+    read_op = Read(
+        datasource,
+        reader,
+        parallelism=parallelism,
+        num_outputs=len(tasks) if tasks else 0,
+        ray_remote_args=remote_args,
+        compute=get_compute_strategy_for_read_api(compute, concurrency),
+    )
+    context = DataContext.get_current().copy()
+    return Dataset(LogicalPlan(read_op, context), context, stats)
+
+
 def check() -> None:
     """Fail if this Ray lacks the datasource internals used here (no cluster needed)."""
     import ray.data
@@ -156,3 +290,23 @@ def check() -> None:
         raise AttributeError("Ray's FileBasedDatasource no longer sets _data_context")
     if not isinstance(ray.data.DataContext.get_current().use_datasource_v2, bool):
         raise AttributeError("ray.data.DataContext has no use_datasource_v2 switch")
+    from ray.data import read_api
+    from ray.data._internal import util
+    from ray.data._internal.logical.operators.read_operator import Read
+
+    for module, name in (
+        (read_api, "_resolve_read_remote_args"),
+        (read_api, "_get_datasource_or_legacy_reader"),
+        (util, "_autodetect_parallelism"),
+        (util, "get_compute_strategy_for_read_api"),
+    ):
+        if not callable(getattr(module, name, None)):
+            raise AttributeError(f"{module.__name__} has no {name} (plan_read needs it)")
+    from ray._private import auto_init_hook
+
+    if not callable(getattr(auto_init_hook, "auto_init_ray", None)):
+        raise AttributeError("ray._private.auto_init_hook has no auto_init_ray")
+    read_params = set(inspect.signature(Read.__init__).parameters)
+    wanted = {"datasource", "datasource_or_legacy_reader", "parallelism", "num_outputs"}
+    if not wanted <= read_params:
+        raise TypeError(f"Ray's Read operator takes {sorted(read_params)}, not {sorted(wanted)}")

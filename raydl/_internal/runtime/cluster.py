@@ -26,6 +26,7 @@ would otherwise linger for a minute.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -55,6 +56,7 @@ _CLUSTER_KEY = "cluster"
 _lock = threading.Lock()
 _started_by_raydl = False
 _owner_stop: threading.Event | None = None  # parks the thread that started the instance
+_reads_start: threading.Thread | None = None  # begin_ray_for_reads' start, while it runs
 
 
 def is_connected() -> bool:
@@ -119,6 +121,72 @@ def ensure_ray_for_reads() -> None:
         ensure_ray(world=world)
     else:
         ensure_ray(preload=RAY_DATA_WORKERS)
+
+
+def begin_ray_for_reads() -> bool:
+    """Like :func:`ensure_ray_for_reads`, but return at once where Ray may start meanwhile.
+
+    In one process, with no cluster named and Ray down (and the background start
+    on, ``RAYDL_BACKGROUND_START``), the embedded instance starts on a daemon thread
+    and this returns ``True``: the reader then builds its plan without Ray
+    (``ray_compat.reads.plan_read``), so the script goes on (building its model, its
+    loader) while Ray starts, and a loader may load a plan's first runs in this
+    process meanwhile. Until the start ends Ray's auto-init lock is held
+    (``ray_compat.cluster.hold_auto_init``): a Ray call of the script waits for
+    raydl's instance instead of starting a second one. An error of the start is
+    raised by the next :func:`ensure_ray` (a loader's ``iter()``), which tries again.
+
+    Elsewhere (Ray up, a cluster to join, several ranks) it is
+    :func:`ensure_ray_for_reads` and returns ``False``.
+    """
+    global _reads_start
+    if is_connected() or env.ray_address() or not env.background_start_default():
+        ensure_ray_for_reads()
+        return False
+    if World.detect().is_distributed:
+        ensure_ray_for_reads()
+        return False
+    from raydl._internal.ray_compat import cluster as ray_core
+
+    with _lock:
+        if is_connected():
+            return False
+        if _reads_start is not None and _reads_start.is_alive():
+            return True
+        release = ray_core.hold_auto_init()
+        _reads_start = threading.Thread(
+            target=_start_for_reads, args=(release,), name="raydl-ray-start", daemon=True
+        )
+        _reads_start.start()
+    atexit.register(_finish_reads_start)
+    return True
+
+
+def reads_starting() -> bool:
+    """Whether :func:`begin_ray_for_reads`' start is under way."""
+    thread = _reads_start
+    return thread is not None and thread.is_alive()
+
+
+def _start_for_reads(release: Callable[[], None]) -> None:
+    """:func:`begin_ray_for_reads`' thread: start the instance, then let Ray's auto-init go."""
+    try:
+        ensure_ray(preload=RAY_DATA_WORKERS)
+    except Exception:  # the next ensure_ray (a loader's iter()) tries again and raises it
+        logging.getLogger(__name__).debug("raydl's start of Ray for reads failed", exc_info=True)
+    finally:
+        release()
+
+
+def _finish_reads_start() -> None:
+    """At exit: let a start for reads end before Ray's own exit handler stops the instance."""
+    thread = _reads_start
+    if thread is not None:
+        thread.join(READS_START_EXIT_WAIT_S)
+
+
+#: Seconds a process that exits waits for a start for reads still under way.
+READS_START_EXIT_WAIT_S = 60
 
 
 def starts_without_collectives(address: str | None, world: World) -> bool:
@@ -322,6 +390,16 @@ def cpus() -> int:
     import ray
 
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def read_cpus() -> int:
+    """The CPUs a read plans for: the cluster's, or, while :func:`begin_ray_for_reads`'
+    start is under way, those of the embedded instance it starts (this machine's)."""
+    if is_connected():
+        return cpus()
+    from raydl._internal.ray_compat import cluster as ray_core
+
+    return ray_core.local_cpus()
 
 
 def object_store_bytes() -> int:

@@ -6,7 +6,9 @@ function of its files.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from raydl._internal.stream.batching import skip_consumed
@@ -16,38 +18,56 @@ from raydl._internal.stream.pool_producers import PoolProducer, unwrap
 from raydl._internal.workers.convert import owned_blocks
 
 
+@dataclass(frozen=True)
+class Actors:
+    """Where a direct epoch sends its runs: the pool, a run's request to it, the pool's start.
+
+    ``request(run)`` is what an actor's ``fetch`` takes for one of the epoch's runs;
+    ``start`` (:class:`ActorStart`, shared by the pool's epochs) says whether the
+    actors have answered their warm-up, ``None`` when runs never load here.
+    """
+
+    pool: Pool
+    request: Callable[[Any], Any] = lambda run: run
+    start: ActorStart | None = None
+
+
 class DirectProducer(PoolProducer):
     """A direct epoch (see :mod:`~raydl._internal.epochs.direct`): runs of files on actors.
 
-    The thread sends the epoch's runs of files to the pool's actors, ``window`` in
-    flight, takes their blocks in order, cuts them into batches with ``cut``,
+    The thread sends the epoch's runs of files to the pool's actors,
+    ``window_per_actor`` per actor in flight, takes their blocks in order, cuts them into batches with ``cut``,
     drops the first ``skip`` (a resume), converts the rest with ``collate`` and
     hands them over (``prefetch`` queued). Worker deaths are handled as for
     map-style batches (a run is a pure function of its files). Once every run is
     sent, ``start_next`` is asked to start the next epoch (and asked again at each
     block while it answers ``False``: too soon). Fewer runs are in flight when
     loaded runs are large: at most ``window_bytes`` by the largest run so far
-    (``size_of`` a run's blocks). ``describe`` names a run in an error.
+    (``size_of`` a run's blocks). ``describe`` names a request in an error.
 
     A run's blocks were loaded for this epoch alone, so they are *owned*
     (:func:`~raydl._internal.workers.convert.owned_blocks`): the batches cut from
     them reach ``collate`` writable, over the object store's memory, not copied.
 
-    With ``local`` and ``start`` (:class:`ActorStart`), the first runs are loaded in
-    this process by ``local(request)`` while the actors start: a warm-up goes to
-    every actor once, and runs go to the actors from the first run after all of them
-    answered (or failed: their runs then meet the failure as usual). A run is a pure
-    function of its files, so the epoch's blocks, and its batches, are the same
-    either way; only its first batch comes sooner (an actor's first reply waits for
-    its process and imports, seconds on a small machine).
+    ``actors`` is an :class:`Actors`, or a function that makes it (starting the
+    pool), called on this thread once ``ray_up()`` says Ray is up: an epoch may
+    start while Ray itself still starts (a reader's plan, built without Ray). With
+    ``local``, runs load in this process by ``local(run)`` until Ray is up and the
+    actors answered their warm-up (``Actors.start``): the warm-up goes to every
+    actor once, and runs go to the actors from the first run after all of them
+    answered (or failed: their runs then meet the failure as usual). A run is a
+    pure function of its files, so the epoch's blocks, and its batches, are the same
+    either way; only its first batch comes sooner (Ray's start and an actor's first
+    reply wait for processes and imports, seconds on a small machine).
+    ``description`` may name ``{actors}``, the pool's size, filled in once it is known.
     """
 
     def __init__(
         self,
-        pool: Pool,
+        actors: Actors | Callable[[], Actors],
         runs: Sequence[Any],
         *,
-        window: int,
+        window_per_actor: int,
         prefetch: int,
         cut: Callable[[Iterator[Any]], Iterator[Any]],
         collate: Callable[[Any], Any],
@@ -60,27 +80,26 @@ class DirectProducer(PoolProducer):
         name: str,
         calls: Calls | None = None,
         local: Callable[[Any], list[Any]] | None = None,
-        start: ActorStart | None = None,
+        ray_up: Callable[[], bool] = lambda: True,
     ) -> None:
         super().__init__(None)
-        self._pool = pool
+        self._make_actors = actors if callable(actors) else lambda: actors
+        self._actors: Actors | None = None
+        self._ray_up = ray_up
         self._calls = calls or RayCalls()
-        self._local = local if start is not None else None
-        self._start = start
+        self._local = local
         self._window_bytes = window_bytes
         self._size_of = size_of
         self._runs = runs
-        self._window = max(1, window)
+        self._per_actor = max(1, window_per_actor)
         self._cut = cut
         self._collate = collate
         self._skip = skip
         self._start_next = start_next
+        self._describe = describe
         self._description = description
-        self._dispatch = Dispatcher(
-            pool, self._calls, method="fetch", describe=describe, between=self._check_stop
-        )
         self.blocks = 0  # blocks received so far (for the epoch's summary)
-        self.loaded_here = 0  # runs loaded by ``local`` while the actors started
+        self.loaded_here = 0  # runs loaded by ``local`` while Ray or the actors started
         self._largest = 0  # bytes of the largest loaded run so far
         self.handoff = Handoff(maxsize=max(1, prefetch))
         self.handoff.start(self._loop, name=name)
@@ -88,7 +107,9 @@ class DirectProducer(PoolProducer):
     def summary(self) -> str | None:
         here = self.loaded_here
         started = f", {here} runs loaded in the training process while they started" if here else ""
-        return f"{self._description}: {self.blocks} blocks{started}"
+        bound = self._actors
+        actors = "no" if bound is None else str(len(bound.pool))
+        return f"{self._description.format(actors=actors)}: {self.blocks} blocks{started}"
 
     def _loop(self) -> None:
         for batch in skip_consumed(self._cut(self._blocks()), self._skip):
@@ -97,18 +118,48 @@ class DirectProducer(PoolProducer):
     def _blocks(self) -> Iterator[Any]:
         runs = iter(self._runs)
         if self._local is not None:
-            yield from self._while_the_actors_start(runs)
+            yield from self._while_starting(runs)
+            if self.loaded_here == len(self._runs):  # all here: the epoch needs no Ray
+                self._ask_next()
+                return
+        actors = self._bind(wait=True)
+        assert actors is not None
+        dispatch = Dispatcher(
+            actors.pool,
+            self._calls,
+            method="fetch",
+            describe=self._describe,
+            between=self._check_stop,
+        )
+        requests = map(actors.request, runs)
+        most = self._per_actor * max(1, len(actors.pool))
         sent_all = False
         while True:
             # Fewer runs in flight once loaded runs proved large (the largest so far).
-            window = max(1, min(self._window, self._window_bytes // max(1, self._largest)))
-            sent_all = sent_all or self._dispatch.top_up(runs, window)
-            start = self._start_next
-            if sent_all and start is not None and not self.handoff.stopped and start():
-                self._start_next = None
-            if not self._dispatch:
+            window = max(1, min(most, self._window_bytes // max(1, self._largest)))
+            sent_all = sent_all or dispatch.top_up(requests, window)
+            if sent_all:
+                self._ask_next()
+            if not dispatch:
                 return
-            yield from self._loaded(owned_blocks(unwrap(self._dispatch.collect())))
+            yield from self._loaded(owned_blocks(unwrap(dispatch.collect())))
+
+    def _ask_next(self) -> None:
+        """Every run is sent: ask ``start_next`` to start the next epoch (until it says yes)."""
+        start = self._start_next
+        if start is not None and not self.handoff.stopped and start():
+            self._start_next = None
+
+    def _bind(self, *, wait: bool) -> Actors | None:
+        """The epoch's :class:`Actors`, made once Ray is up; ``None`` before, unless ``wait``."""
+        if self._actors is None:
+            while not self._ray_up():
+                if not wait:
+                    return None
+                self._check_stop()
+                time.sleep(RAY_UP_POLL_S)
+            self._actors = self._make_actors()
+        return self._actors
 
     def _loaded(self, blocks: list[Any]) -> list[Any]:
         """A loaded run's blocks, counted (the summary's blocks, the largest run so far)."""
@@ -116,13 +167,22 @@ class DirectProducer(PoolProducer):
         self._largest = max(self._largest, self._size_of(blocks))
         return blocks
 
-    def _while_the_actors_start(self, runs: Iterator[Any]) -> Iterator[Any]:
-        """The first of ``runs``, loaded here while some actor has not answered its warm-up."""
-        assert self._local is not None and self._start is not None
-        while self._start.starting(self._pool, self._calls):
-            request = next(runs, None)
-            if request is None:
+    def _while_starting(self, runs: Iterator[Any]) -> Iterator[Any]:
+        """The first of ``runs``, loaded here while Ray or some actor has not answered yet."""
+        assert self._local is not None
+        while True:
+            actors = self._bind(wait=False)
+            if actors is not None and (
+                actors.start is None or not actors.start.starting(actors.pool, self._calls)
+            ):
+                return
+            run = next(runs, None)
+            if run is None:
                 return
             self._check_stop()
             self.loaded_here += 1
-            yield from self._loaded(owned_blocks(self._local(request)))  # this epoch's alone
+            yield from self._loaded(owned_blocks(self._local(run)))  # this epoch's alone
+
+
+#: Seconds between looks at whether Ray is up, while a direct epoch waits for it.
+RAY_UP_POLL_S = 0.02
