@@ -20,10 +20,14 @@ each recursively, so a bucket with many labels does not page through one
 listing serially; the file list and its (sorted) order are the same as a
 serial listing's. Many paths given at once are expanded in parallel threads.
 
-Ray: after listing, a reader connects this process to Ray (Ray Data plans need it),
-starting the embedded instance if none is up. Under torchrun every rank joins rank
-0's instance, as a loader does, so a script that reads on its ranks needs no
-``raydl.init()`` first (ranks launched without torchrun's store still do).
+Ray: after listing, a reader connects this process to Ray (Ray Data plans run on
+it), starting the embedded instance if none is up. In one process, with no cluster
+named, ``read_parquet`` and ``read_binary_files`` return without waiting for that
+start (it runs on a thread; their plan is built without Ray), and a Ray call of the
+script waits for it instead of starting a second instance; a loader's first runs
+load in the trainer meanwhile. Under torchrun every rank joins rank 0's instance,
+as a loader does, so a script that reads on its ranks needs no ``raydl.init()``
+first (ranks launched without torchrun's store still do).
 
 Bad files: with the default ``on_bad_file="raise"``, a file that cannot be read
 or decoded (corrupt or truncated parquet, a non-image among images, an empty

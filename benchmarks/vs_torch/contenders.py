@@ -202,10 +202,12 @@ class Contender:
         Returns:
             The loader.
         """
-        # A raydl user's map-style script only builds its loader, which starts the embedded
-        # Ray in the background (all of this machine's CPUs; its actors ask for none): the
-        # cold start is measured as that user gets it. Ray Data workloads start Ray first.
-        if self.uses_ray and not (self.raydl_starts_ray and isinstance(data, MapStyleData)):
+        # A raydl user's script only calls raydl's readers or builds its loader, which start
+        # the embedded Ray in the background (all of this machine's CPUs; its actors ask for
+        # none): the cold start is measured as that user gets it. Ray Data's own contenders,
+        # and every rank under torch.distributed (raydl.init, a collective), start Ray first.
+        distributed = dist.is_available() and dist.is_initialized()
+        if self.uses_ray and (not self.raydl_starts_ray or distributed):
             start_ray(self.raydl_starts_ray)
         if isinstance(data, TabularData):
             return self.tabular(data)

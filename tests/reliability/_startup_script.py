@@ -35,6 +35,20 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+def _hold_ray_init() -> threading.Event:
+    """Make ``ray.init`` wait until the returned gate is set (Ray's start held back)."""
+    import ray
+
+    real_init, gate = ray.init, threading.Event()
+
+    def gated_init(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(120)
+        return real_init(*args, **kwargs)
+
+    ray.init = gated_init
+    return gate
+
+
 def gated(record: dict) -> None:
     import random
 
@@ -44,13 +58,7 @@ def gated(record: dict) -> None:
     expected = [random.random() for _ in range(3)]
     random.seed(5)
 
-    real_init, gate = ray.init, threading.Event()
-
-    def gated_init(*args, **kwargs):  # type: ignore[no-untyped-def]
-        gate.wait(120)
-        return real_init(*args, **kwargs)
-
-    ray.init = gated_init
+    gate = _hold_ray_init()
     from raydl import RayDataLoader
 
     data = torch.arange(64, dtype=torch.float32)
@@ -123,13 +131,7 @@ def _double(batch: dict) -> dict:
 def gated_read(record: dict, folder: str) -> None:
     import ray
 
-    real_init, gate = ray.init, threading.Event()
-
-    def gated_init(*args, **kwargs):  # type: ignore[no-untyped-def]
-        gate.wait(120)
-        return real_init(*args, **kwargs)
-
-    ray.init = gated_init
+    gate = _hold_ray_init()
     import raydl
     from raydl._internal.runtime import cluster
 
