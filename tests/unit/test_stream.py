@@ -540,21 +540,36 @@ def _run_blocks(request: tuple[str, int]) -> list[dict[str, np.ndarray]]:
     return [{"x": np.arange(request[1] * 10, request[1] * 10 + 10)}]
 
 
-def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
+def _direct_epoch(
+    calls: RunCalls,
+    local: Any,
+    *,
+    ray_up: Any = None,
+    made: list[Any] | None = None,
+    start_next: Any = None,
+) -> tuple[list[list[int]], Any]:
+    """A direct epoch of 8 runs on fakes; with ``ray_up``, its actors are made (noted in
+    ``made``) once it answers ``True``."""
     from raydl._internal.stream.batching import cut_batches
     from raydl._internal.stream.direct_producer import Actors, DirectProducer
     from raydl._internal.stream.dispatch import ActorStart
 
     start = ActorStart("fetch", "warm") if local is not None else None
+
+    def actors() -> Actors:
+        if made is not None:
+            made.append(time.monotonic())
+        return Actors(FakePool(2), start=start)
+
     producer = DirectProducer(
-        Actors(FakePool(2), start=start),
+        actors,
         [("run", i) for i in range(8)],
         window_per_actor=2,
         prefetch=2,
         cut=lambda blocks: cut_batches(blocks, batch_size=7, drop_last=False, buffer=30, seed=5),
         collate=lambda batch: batch["x"].tolist(),
         skip=0,
-        start_next=None,
+        start_next=start_next,
         window_bytes=1 << 30,
         size_of=lambda blocks: sum(b["x"].nbytes for b in blocks),
         describe=repr,
@@ -562,6 +577,7 @@ def _direct_epoch(calls: RunCalls, local: Any) -> tuple[list[list[int]], Any]:
         name="test-direct",
         calls=calls,
         local=local,
+        ray_up=ray_up or (lambda: True),
     )
     return list(EpochIterator(producer, epoch=0)), producer
 
@@ -602,6 +618,50 @@ def test_when_the_actors_start_slower_than_the_epoch_it_all_loads_here() -> None
         "warm",
         "warm",
     ]
+
+
+def test_runs_load_here_until_ray_is_up_then_the_actors_are_made_once() -> None:
+    """An epoch started while Ray starts (a raydl read's plan): the same batches."""
+    on_actors, _ = _direct_epoch(RunCalls(start_s=0.0), local=None)
+    here: list[Any] = []
+
+    def local(run: tuple[str, int]) -> list[dict[str, np.ndarray]]:
+        here.append(run)
+        time.sleep(0.05)
+        return _run_blocks(run)
+
+    up_at = time.monotonic() + 0.12
+    made: list[float] = []
+    calls = RunCalls(start_s=0.0)
+    bridged, producer = _direct_epoch(
+        calls, local=local, ray_up=lambda: time.monotonic() >= up_at, made=made
+    )
+    assert bridged == on_actors
+    assert 0 < len(here) < 8 and here == [("run", i) for i in range(len(here))]
+    assert len(made) == 1 and made[0] >= up_at  # made once, after Ray was up
+    assert [arg for _, arg in calls.submitted][2:] == [("run", i) for i in range(len(here), 8)]
+    assert f"{len(here)} runs loaded in the training process" in (producer.summary() or "")
+
+
+def test_an_epoch_that_loaded_every_run_before_ray_is_up_ends_without_it() -> None:
+    here: list[Any] = []
+    asked: list[bool] = []
+
+    def local(run: tuple[str, int]) -> list[dict[str, np.ndarray]]:
+        here.append(run)
+        return _run_blocks(run)
+
+    def start_next() -> bool:
+        asked.append(True)
+        return True
+
+    made: list[float] = []
+    batches, producer = _direct_epoch(
+        RunCalls(start_s=0.0), local=local, ray_up=lambda: False, made=made, start_next=start_next
+    )
+    assert sorted(x for batch in batches for x in batch) == list(range(80))
+    assert len(here) == producer.loaded_here == 8 and not made  # Ray never came up
+    assert asked == [True]  # the next epoch was still asked to start early
 
 
 def test_epochs_that_share_a_pool_send_its_warm_ups_once() -> None:

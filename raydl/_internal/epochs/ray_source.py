@@ -82,6 +82,7 @@ class RaySource(RankEpochs):
         self._world = world
         self._lock = threading.Lock()  # guards the early-start policy
         self._build_lock = threading.Lock()  # one PerEpoch build at a time
+        self._pool_lock = threading.Lock()  # one direct pool, made by whichever epoch binds first
         self._built: tuple[int, Any] | None = None  # PerEpoch: the last epoch's plan
         self._expected = 0  # the epoch the loader's next iter() runs
         self._resume_armed = False  # that iter() resumes a saved epoch
@@ -364,7 +365,8 @@ class RaySource(RankEpochs):
         names = " -> ".join(direct.names)
         if direct.exchange is not None:
             exchange = direct.exchange
-            pool = self._pool_for(direct, plan)
+            with self._pool_lock:
+                pool = self._pool_for(direct, plan)
             phase, whole = self._map_phase(pool, ray.put(here), direct)
             return self._exchange_producer(
                 phase,
@@ -381,12 +383,16 @@ class RaySource(RankEpochs):
 
         def actors() -> Actors:  # on the epoch's thread, once Ray is up
             self._connect()
-            pool = self._pool_for(direct, plan)
             # Nested in a list, the reference reaches the actors unresolved (they keep it).
             work = [ray.put(here)]
-            if self._actor_start is None and settings.options.start_in_process:
-                self._actor_start = ActorStart("fetch", (work, WARM_UP))  # once per pool
-            return Actors(pool, lambda run: (work, run), self._actor_start)
+            # An epoch and the next one, started early, may both bind as Ray comes up:
+            # one pool, and one warm-up, for both.
+            with self._pool_lock:
+                pool = self._pool_for(direct, plan)
+                if self._actor_start is None and settings.options.start_in_process:
+                    self._actor_start = ActorStart("fetch", (work, WARM_UP))  # once per pool
+                start = self._actor_start
+            return Actors(pool, lambda run: (work, run), start)
 
         return DirectProducer(
             actors,
