@@ -437,3 +437,34 @@ def test_parquet_reads_use_pyarrows_threads_only_with_over_one_cpu() -> None:
     assert ray.get(threads.remote()) is False  # a read task: one CPU's work
     assert ray.get(threads.options(num_cpus=2).remote()) is True
     assert ray.get(Actor.remote().threads.remote()) is False  # raydl's direct-path actors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_a_plan_built_without_ray_is_rays_own(tmp_path: Path, blocks: int | None) -> None:
+    """``plan_read`` (what raydl's readers build while Ray starts) gives the plan
+    ``ray.data.read_datasource`` gives: the same read tasks and rows, blocks given or not."""
+    import ray.data
+
+    from raydl._internal.io.files import FileListDatasource
+    from raydl._internal.ray_compat import reads
+    from raydl._internal.runtime import cluster
+
+    files = []
+    for i in range(40):
+        path = tmp_path / f"{i:02d}.bin"
+        path.write_bytes(bytes([i]) * (i + 1))
+        files.append((str(path), i + 1))
+    source = FileListDatasource(
+        files, pafs.LocalFileSystem(), include_paths=True, on_bad_file="raise"
+    )
+    options = {} if blocks is None else {"override_num_blocks": blocks}
+    ours = reads.plan_read(source, cpus=cluster.cpus(), **options)
+    rays = ray.data.read_datasource(source, **options)
+    assert ours._logical_plan.dag.num_outputs == rays._logical_plan.dag.num_outputs
+    assert ours._logical_plan.dag.parallelism == rays._logical_plan.dag.parallelism
+
+    def rows(ds: Any) -> list[tuple[str, bytes]]:
+        return sorted((row["path"], row["bytes"]) for row in ds.take_all())
+
+    assert rows(ours) == rows(rays) and len(rows(ours)) == 40

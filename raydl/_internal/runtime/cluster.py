@@ -140,10 +140,8 @@ def begin_ray_for_reads() -> bool:
     :func:`ensure_ray_for_reads` and returns ``False``.
     """
     global _reads_start
-    if is_connected() or env.ray_address() or not env.background_start_default():
-        ensure_ray_for_reads()
-        return False
-    if World.detect().is_distributed:
+    waits = is_connected() or env.ray_address() or not env.background_start_default()
+    if waits or World.detect().is_distributed:
         ensure_ray_for_reads()
         return False
     from raydl._internal.ray_compat import cluster as ray_core
