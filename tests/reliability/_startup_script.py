@@ -14,9 +14,9 @@ Modes:
     gated_then_dropped: ``gated`` (its loader closed: ``closed``), then, when told on
         stdin, ``dropped`` in the same process.
     gated_read: ``ray.init`` held as in ``gated``; a raydl read returns before Ray is up,
-        a ``ds.count()`` of the script waits for raydl's start, and a loader's first
-        epochs load in this process meanwhile; then epochs with Ray up, and the same
-        epochs from a loader built once Ray was up.
+        a ``ds.count()`` of the script waits for raydl's start, and the first epochs of
+        two loaders (files order, global shuffle) load in this process meanwhile; then
+        epochs with Ray up, and the same epochs from loaders built once Ray was up.
 """
 
 from __future__ import annotations
@@ -140,12 +140,16 @@ def gated_read(record: dict, folder: str) -> None:
     record["read_s"] = time.perf_counter() - began
     record["initialized_after_read"] = ray.is_initialized()
 
-    def loader() -> raydl.RayDataLoader:
+    def loader(mode: str) -> raydl.RayDataLoader:
         torch.manual_seed(3)
-        return raydl.RayDataLoader(ds, batch_size=4, shuffle=True, shuffle_mode="files")
+        return raydl.RayDataLoader(ds, batch_size=4, shuffle=True, shuffle_mode=mode)
 
-    first = loader()
-    held = [[b["id"].tolist() for b in first] for _ in range(2)]
+    def epochs(each: raydl.RayDataLoader, count: int) -> list[list[list[int]]]:
+        return [[b["id"].tolist() for b in each] for _ in range(count)]
+
+    modes = ("files", "global")
+    first = {mode: loader(mode) for mode in modes}
+    held = {mode: epochs(first[mode], 2) for mode in modes}
     record["initialized_after_held_epochs"] = ray.is_initialized()
     counted: list[int] = []
     counter = threading.Thread(target=lambda: counted.append(ds.count()), daemon=True)
@@ -156,15 +160,14 @@ def gated_read(record: dict, folder: str) -> None:
     counter.join(120)
     record["count"] = counted
     record["started_by_raydl"] = cluster._started_by_raydl
-    up = [[b["id"].tolist() for b in first] for _ in range(2)]
-    record["summaries"] = [e["ray_data"] for e in first.stats()["epochs"]]
-    first.close()
-    second = loader()
-    record["same_as_a_loader_built_with_ray_up"] = [
-        [b["id"].tolist() for b in second] for _ in range(4)
-    ] == held + up
-    second.close()
-    record["epochs"] = held + up
+    for mode in modes:
+        up = epochs(first[mode], 2)
+        record[mode] = {"summaries": [e["ray_data"] for e in first[mode].stats()["epochs"]]}
+        first[mode].close()
+        second = loader(mode)
+        record[mode]["same_as_a_loader_built_with_ray_up"] = epochs(second, 4) == held[mode] + up
+        second.close()
+        record[mode]["epochs"] = held[mode] + up
 
 
 def main() -> None:

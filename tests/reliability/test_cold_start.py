@@ -143,9 +143,10 @@ def test_a_read_plan_loads_its_first_epochs_here_while_ray_starts_and_ray_calls_
     tmp_path: Path, ray_tmp: str
 ) -> None:
     """``raydl.read_parquet`` returns before Ray is up (``ray.init`` held by the script);
-    a loader's first epochs load in the trainer meanwhile, in the order a loader built
-    with Ray up gives; the script's own ``ds.count()`` waits for raydl's start rather
-    than starting a second instance."""
+    a loader's first epochs load in the trainer meanwhile (files order: its runs; a
+    global shuffle: its map phase), in the order a loader built with Ray up gives; the
+    script's own ``ds.count()`` waits for raydl's start rather than starting a second
+    instance."""
     record = tmp_path / "record.json"
     folder = _parquet_folder(tmp_path)
     proc = _start("gated_read", record, ray_tmp, "--folder", str(folder))
@@ -159,11 +160,14 @@ def test_a_read_plan_loads_its_first_epochs_here_while_ray_starts_and_ray_calls_
     assert seen["count_waited_for_the_start"] is True
     assert seen["initialized_after_held_epochs"] is False  # both epochs while Ray was held
     assert seen["count"] == [32] and seen["started_by_raydl"] is True
-    for epoch in seen["epochs"]:
-        assert sorted(x for batch in epoch for x in batch) == list(range(32))
-    assert seen["epochs"][0] != seen["epochs"][1]  # a new file order each epoch
-    assert all("4 runs loaded in the training process" in s for s in seen["summaries"][:2])
-    assert seen["same_as_a_loader_built_with_ray_up"] is True
+    for mode, here in [("files", "4 runs loaded"), ("global", "4 runs mapped")]:
+        for epoch in seen[mode]["epochs"]:
+            assert sorted(x for batch in epoch for x in batch) == list(range(32)), mode
+        assert seen[mode]["epochs"][0] != seen[mode]["epochs"][1]  # a new order each epoch
+        summaries = seen[mode]["summaries"]
+        assert all(f"{here} in the training process" in s for s in summaries[:2]), summaries
+        assert seen[mode]["same_as_a_loader_built_with_ray_up"] is True, mode
+    assert any(len({x // 8 for x in b}) > 1 for b in seen["global"]["epochs"][0])  # mixed files
 
 
 @pytest.mark.timeout(240)

@@ -201,6 +201,98 @@ def test_a_share_and_a_resume_offset_deliver_exactly_those_rows(whole: bool) -> 
     assert shares(len(everything), 2)[1] == (50, 100)
 
 
+class _MapActors:
+    """``Calls`` of two actors that map runs (``(work, MapRun)``) into ``objects``.
+
+    A reply is the head and the references to its objects, as ``SplitCalls.get``
+    gives them; a warm-up (``"warm"``) is answered at once.
+    """
+
+    def __init__(self, exchange: Exchange, runs: list[Any], objects: dict[Any, Any]) -> None:
+        self.exchange, self.runs, self.objects = exchange, runs, objects
+        self.mapped: list[int] = []
+        self.actors = ["a0", "a1"]
+
+    def submit(self, actor: Any, method: str, request: Any) -> Any:
+        return request
+
+    def get(self, ref: Any, timeout: float) -> Any:
+        if ref == "warm":
+            return []
+        _, task = ref
+        self.mapped.append(task.run)
+        blocks = self.runs[task.run]
+        if task.whole:
+            counts, self.objects[task.run] = self.exchange.group(task.run, blocks)
+            return (counts, 0), [task.run]
+        counts, pieces = self.exchange.split(task.run, blocks)
+        self.objects.update(((task.run, part), piece) for part, piece in enumerate(pieces))
+        return (counts, 0), [(task.run, part) for part in range(len(pieces))]
+
+    def wait(self, refs: Any, timeout: float) -> list[Any]:
+        return list(refs)[:1]
+
+    def restart(self, worker_id: int, dead: Any) -> Any:
+        raise AssertionError("no actor dies here")
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("here", [0, 2, 4])
+def test_runs_mapped_here_while_ray_starts_give_the_epoch_the_actors_give(
+    here: int, whole: bool
+) -> None:
+    """The first ``here`` runs are mapped in this process (Ray "comes up" after them),
+    the rest on the actors; the epoch is the one a map phase on the actors alone gives,
+    and with every run mapped here the actors are never made."""
+    from types import SimpleNamespace
+
+    from raydl._internal.epochs.direct import MapRun, map_phase
+    from raydl._internal.stream.dispatch import Actors, ActorStart, LateActors
+
+    runs = _runs([40, 25, 35, 30])
+    exchange = Exchange(seed=3, partitions=4)
+    plan = SimpleNamespace(exchange=exchange, runs=lambda: [(f"f{i}",) for i in range(4)])
+    objects: dict[Any, Any] = {}
+    calls = _MapActors(exchange, runs, objects)
+    mapped_here: list[int] = []
+    made: list[bool] = []
+
+    def local(task: MapRun) -> Any:
+        assert task.whole  # a run mapped here is kept whole: slicing it costs nothing
+        mapped_here.append(task.run)
+        counts, grouped = exchange.group(task.run, runs[task.run])
+        return (counts, 0), grouped
+
+    def make() -> Actors:
+        made.append(True)
+        return Actors(calls, lambda task: ("work", task), ActorStart("fetch", "warm"))
+
+    actors = LateActors(make, ray_up=lambda: len(mapped_here) >= here, calls=calls)
+    partitions = map_phase(actors, plan, lambda: None, calls, whole=lambda: whole, local=local)  # type: ignore[arg-type]
+    assert mapped_here == list(range(here)) and calls.mapped == list(range(here, 4))
+    assert partitions.mapped_here == here and made == ([True] if here < 4 else [])
+    assert partitions.whole is (whole and here < 4)
+    producer = ExchangeProducer(
+        map_phase=lambda between: partitions,
+        rows=lambda total: (0, total),
+        reduce=exchange.reduce,
+        cut=lambda blocks: rebatch(blocks, 10, False),
+        collate=lambda batch: batch["id"].tolist(),
+        prefetch=2,
+        start_next=None,
+        description="test",
+        name="raydl-test-exchange",
+        calls=_Store(objects),
+    )
+    batches = list(EpochIterator(producer, epoch=0))
+    assert [i for b in batches for i in b] == _epoch(exchange, runs).tolist()
+    if here:
+        assert f"{here} runs mapped in the training process" in str(producer.summary())
+
+
 def test_closing_during_the_epoch_stops_the_thread() -> None:
     producer = _producer(_runs([400, 400]), Exchange(seed=1, partitions=8), batch_size=1)
     iterator = EpochIterator(producer, epoch=0)

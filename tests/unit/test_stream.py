@@ -551,8 +551,8 @@ def _direct_epoch(
     """A direct epoch of 8 runs on fakes; with ``ray_up``, its actors are made (noted in
     ``made``) once it answers ``True``."""
     from raydl._internal.stream.batching import cut_batches
-    from raydl._internal.stream.direct_producer import Actors, DirectProducer
-    from raydl._internal.stream.dispatch import ActorStart
+    from raydl._internal.stream.direct_producer import DirectProducer
+    from raydl._internal.stream.dispatch import Actors, ActorStart, LateActors
 
     start = ActorStart("fetch", "warm") if local is not None else None
 
@@ -562,7 +562,7 @@ def _direct_epoch(
         return Actors(FakePool(2), start=start)
 
     producer = DirectProducer(
-        actors,
+        LateActors(actors, ray_up or (lambda: True), calls),
         [("run", i) for i in range(8)],
         window_per_actor=2,
         prefetch=2,
@@ -577,7 +577,6 @@ def _direct_epoch(
         name="test-direct",
         calls=calls,
         local=local,
-        ray_up=ray_up or (lambda: True),
     )
     return list(EpochIterator(producer, epoch=0)), producer
 

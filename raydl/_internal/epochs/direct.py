@@ -33,6 +33,7 @@ boundaries), but the order is still a pure function of (seed, epoch).
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,12 +43,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raydl._internal.epochs.deal import deal
-from raydl._internal.epochs.exchange import Exchange, partition_count
+from raydl._internal.epochs.exchange import Exchange, Here, partition_count
 from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
 from raydl._internal.stream.batching import Batch, concat, row_count
-from raydl._internal.stream.dispatch import Calls, Dispatcher, Pool, SplitCalls
+from raydl._internal.stream.dispatch import Calls, Dispatcher, LateActors, SplitCalls
 from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.pool import WorkerPool
 from raydl._internal.workers.worker import WorkerSpec
@@ -300,21 +301,20 @@ class EpochWork:
             loaded = (_as_numpy(output) for output in outputs)
             return [batch for batch in loaded if row_count(batch)]
 
-    def run(self, task: Task) -> Any:
-        """An actor's reply to ``task``.
+    def run(self, task: Task, *, own_context: bool = True) -> Any:
+        """An actor's reply to ``task`` (``own_context``: as for :meth:`load`).
 
         :class:`LoadRun`: a list of numpy batches. :class:`MapRun`: ``((counts, bytes),
         piece_0, ..., piece_{P-1})``, one Ray object each (the call's ``num_returns``), or
         with ``whole``, ``((counts, bytes), grouped run)``. :class:`DealRun`: ``((rows of
         each batch, their bytes), the batches)``, two Ray objects.
         """
+        loaded = self.load(task.paths, own_context=own_context)
         if isinstance(task, LoadRun):
-            return self.load(task.paths)
+            return loaded
         if isinstance(task, DealRun):
-            loaded = self.load(task.paths)
             return ([row_count(batch) for batch in loaded], loaded_bytes(loaded)), loaded
         assert self.exchange is not None
-        loaded = self.load(task.paths)
         if task.whole:
             counts, grouped = self.exchange.group(task.run, loaded)
             return (counts, loaded_bytes([grouped])), grouped
@@ -391,43 +391,51 @@ def _where(work: EpochWork, place: str, task: Task) -> str:
 WARM_UP = LoadRun(())
 
 
-def load_here(work: EpochWork, task: LoadRun) -> list[dict[str, np.ndarray]]:
-    """A streaming epoch's run loaded in this process, as an actor loads it.
+def load_here(work: EpochWork, task: LoadRun | MapRun) -> Any:
+    """A run loaded in this process, as an actor loads it: its reply to ``task``.
 
-    For the runs an epoch sends while its pool's actors start
-    (:class:`~raydl._internal.stream.direct_producer.DirectProducer`): a run is a pure
-    function of its files, so the blocks are those an actor gives (the same code
-    :class:`LocalRuns` relies on for elastic resume). An error names the stages and
-    the files as an actor's does, and says it was raised here.
+    For the runs an epoch loads while its pool's actors start (a streaming epoch's,
+    :class:`~raydl._internal.stream.direct_producer.DirectProducer`; a global
+    shuffle's map phase, :func:`map_phase`): a run is a pure function of its files,
+    so the blocks are those an actor gives (the same code :class:`LocalRuns` relies
+    on for elastic resume). An error names the stages and the files as an actor's
+    does, and says it was raised here.
     """
     try:
-        return work.load(task.paths, own_context=False)
+        return work.run(task, own_context=False)
     except Exception:
         where = _where(work, "in the training process (while raydl's actors started)", task)
         RemoteError(where=where).reraise()
 
 
 def map_phase(
-    pool: Pool,
-    work: Any,
+    actors: LateActors,
     plan: DirectPlan,
     between: Callable[[], None],
     calls: Calls | None = None,
     *,
-    whole: bool = False,
+    whole: Callable[[], bool],
+    local: Callable[[MapRun], Any] | None = None,
 ) -> Partitions:
-    """A globally shuffled epoch's map phase on ``pool``'s actors (``exchange.py``).
+    """A globally shuffled epoch's map phase (``exchange.py``), on raydl's actors.
 
     Every run is loaded and grouped by output partition on an actor; its rows stay
-    in the object store, owned by this process. ``work``: the epoch's
-    :class:`EpochWork`, put in the object store; ``between``: a stop check.
+    in the object store, owned by this process. ``actors``: where the runs go (made
+    once Ray is up: :class:`LateActors`), ``Actors.request(task)`` being an actor's
+    request for a :class:`MapRun`; ``between``: a stop check.
 
-    ``whole``: each run comes back as one object (its rows sorted by partition), which
-    the reduces slice, instead of one object per partition. Runs x partitions objects
-    cost Ray's raylet and this process about 0.1 ms each (a 21-run epoch: 462
-    objects against 42); but a run's object stays until the epoch's last partition is
-    reduced, so the whole epoch is held at once (``RaySource`` asks for it only when
-    the previous epoch's map output was a small part of the object store).
+    ``local``: while Ray or the actors still start (:meth:`LateActors.starting`), the
+    next runs are mapped in this process instead, by ``local(task)`` (the actors' own
+    code, :func:`load_here`), and their grouped rows stay here (:class:`Here`). A run
+    is a pure function of its files, so the epoch is the same either way.
+
+    ``whole()``, asked once the actors are bound: each run comes back as one object
+    (its rows sorted by partition), which the reduces slice, instead of one object
+    per partition. Runs x partitions objects cost Ray's raylet and this process about
+    0.1 ms each (a 21-run epoch: 462 objects against 42); but a run's object stays
+    until the epoch's last partition is reduced, so the whole epoch is held at once
+    (``RaySource`` asks for it only when the previous epoch's map output was a small
+    part of the object store).
     """
     # Here, not at the top: the actors import this module, and the producers' modules import torch.
     from raydl._internal.stream.exchange_producer import Partitions
@@ -435,23 +443,34 @@ def map_phase(
     exchange = plan.exchange
     assert exchange is not None
     parts = exchange.partitions
+    partitions = Partitions.empty(parts)
+    runs = collections.deque(MapRun(index, run) for index, run in enumerate(plan.runs()))
+    while local is not None and runs and actors.starting():
+        between()
+        (counts, nbytes), grouped = local(replace(runs.popleft(), whole=True))
+        partitions.add(counts, [Here(grouped)], whole=True, nbytes=nbytes)
+        partitions.mapped_here += 1
+    if not runs:
+        return partitions
+    bound = actors.bind(between)
+    assert bound is not None
+    whole_runs = whole()
     dispatch = Dispatcher(
-        pool,
-        calls or SplitCalls(2 if whole else parts + 1),
+        bound.pool,
+        calls or SplitCalls(2 if whole_runs else parts + 1),
         method="fetch",
         describe=lambda request: describe_run(request[1].paths),
         between=between,
     )
-    holder = [work]  # nested in a list, the reference reaches the actors unresolved
-    for index, run in enumerate(plan.runs()):
-        dispatch.send((holder, MapRun(index, run, whole)))
-    partitions = Partitions.empty(parts)
+    for task in runs:
+        dispatch.send(bound.request(replace(task, whole=whole_runs)))
     while dispatch:  # in run order
         head, refs = dispatch.collect()
         if isinstance(head, RemoteError):
             head.reraise()
         counts, nbytes = head
-        partitions.add(counts, refs, whole=whole, nbytes=nbytes)
+        partitions.add(counts, refs, whole=whole_runs, nbytes=nbytes)
+    partitions.whole = whole_runs
     return partitions
 
 

@@ -116,6 +116,8 @@ class Exchange:
 class Piece(NamedTuple):
     """Rows ``start:stop`` of the Ray object ``ref``: one run's rows of one partition.
 
+    ``ref`` is a :class:`Here` for a run mapped in the training process.
+
     Here, not with the producer: the ranks' board (``board.py``), which imports no
     torch, unpickles pieces.
     """
@@ -123,6 +125,19 @@ class Piece(NamedTuple):
     ref: Any
     start: int
     stop: int
+
+
+class Here:
+    """A run's grouped rows held in the training process, in place of a Ray object.
+
+    The runs of an epoch mapped while Ray or raydl's actors still start
+    (``direct.map_phase``); compared by identity, as object references are.
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: Batch) -> None:
+        self.rows = rows
 
 
 def piece_bounds(counts: Sequence[int]) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from raydl._internal.epochs import deal_ranks
 from raydl._internal.epochs.board import start_board
-from raydl._internal.epochs.direct import DirectPlan
+from raydl._internal.epochs.direct import DirectPlan, MapRun
 from raydl._internal.epochs.elastic import batch_counts
 from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.epochs.exchange_ranks import BoardPhase, RankZeroPhase, post_failure
@@ -35,6 +35,7 @@ from raydl._internal.ray_compat.datasets import split_coordinator
 from raydl._internal.runtime import cluster
 from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.deal_producers import DealingProducer, DealtProducer
+from raydl._internal.stream.dispatch import Actors, LateActors
 from raydl._internal.stream.exchange_producer import ExchangeProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
 from raydl._internal.workers.pool import WorkerPool
@@ -77,8 +78,11 @@ class RankEpochs:
         def _pool_for(self, direct: DirectPlan, plan: EpochPlan) -> WorkerPool: ...
         def _next_starter(self, epoch: int) -> Callable[[], bool] | None: ...
         def _map_phase(
-            self, pool: WorkerPool, work: Any, direct: DirectPlan
-        ) -> tuple[Callable[[Callable[[], None]], Partitions], bool]: ...
+            self,
+            actors: LateActors,
+            direct: DirectPlan,
+            local: Callable[[MapRun], Any] | None = None,
+        ) -> Callable[[Callable[[], None]], Partitions]: ...
         def _length_or_none(self, epoch: int) -> int | None: ...
         def _cut(self, buffer: int | None, seed: int | None) -> Callable[[Any], Any]: ...
         def _exchange_producer(
@@ -311,15 +315,16 @@ class RankEpochs:
                 raise RuntimeError(f"epoch {epoch} is not a global shuffle on raydl's actors")
             try:
                 pool = self._pool_for(direct, plan)
-                work = ray.put(direct.work(plan.dataset.context))
-                run_phase, whole = self._map_phase(pool, work, direct)
+                work = [ray.put(direct.work(plan.dataset.context))]  # unresolved on the actors
+                actors = LateActors(Actors(pool, lambda task: (work, task)))
+                run_phase = self._map_phase(actors, direct)
             except Exception as err:  # the other ranks wait on the board for this map phase
                 post_failure(board, epoch, err)
                 raise
             phase = RankZeroPhase(run_phase, direct.exchange, board, epoch)
             description = (
                 f"{' -> '.join(direct.names)} -> global shuffle "
-                f"({direct.exchange.partitions} partitions{', whole runs' if whole else ''}) "
+                f"({direct.exchange.partitions} partitions) "
                 f"on {len(pool)} raydl actors, rank 0 of {world.world_size}"
             )
         else:

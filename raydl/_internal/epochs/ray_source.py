@@ -33,7 +33,9 @@ from raydl._internal.epochs.direct import (
     WARM_UP,
     WINDOW_BYTES,
     DirectPlan,
+    EpochWork,
     LoadRun,
+    MapRun,
     describe_run,
     direct_plan,
     load_here,
@@ -58,8 +60,8 @@ from raydl._internal.runtime import cluster
 from raydl._internal.runtime.startup import BackgroundStart, Warm, connect
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.batching import cut_batches
-from raydl._internal.stream.direct_producer import Actors, DirectProducer
-from raydl._internal.stream.dispatch import ActorStart
+from raydl._internal.stream.direct_producer import DirectProducer
+from raydl._internal.stream.dispatch import Actors, ActorStart, LateActors
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
 from raydl._internal.stream.ray_producer import RayDataProducer
@@ -271,8 +273,8 @@ class RaySource(RankEpochs):
         if direct is None:
             direct = options.direct_execution
         plan, simple = self._plans(epoch, direct)
-        if simple is None or simple.exchange is not None:
-            self._connect()  # only a streaming direct epoch starts before Ray is up
+        if simple is None:
+            self._connect()  # a direct epoch may start before Ray is up
         start_next = self._next_starter(epoch)
         record = EpochRecord(epoch=epoch, direct=simple is not None)
         producer: Producer
@@ -357,43 +359,27 @@ class RaySource(RankEpochs):
         start_next: Callable[[], bool] | None,
     ) -> Producer:
         """Epoch ``epoch`` of a simple file plan, on this source's own actors (``direct.py``)."""
-        import ray
 
         settings = self._settings
         files = direct.source.files
         here = direct.work(plan.dataset.context)
         names = " -> ".join(direct.names)
+        # While Ray and the pool's actors start, runs load here (the same batches).
+        local = functools.partial(load_here, here) if settings.options.start_in_process else None
+        actors = LateActors(self._actors_for(direct, plan, here), self._ray_up)
         if direct.exchange is not None:
             exchange = direct.exchange
-            with self._pool_lock:
-                pool = self._pool_for(direct, plan)
-            phase, whole = self._map_phase(pool, ray.put(here), direct)
             return self._exchange_producer(
-                phase,
+                self._map_phase(actors, direct, local=local),
                 exchange.reduce,
                 epoch=epoch,
                 skip=skip,
                 start_next=start_next,
                 description=(
-                    f"{names} -> global shuffle ({exchange.partitions} partitions"
-                    f"{', whole runs' if whole else ''}) "
-                    f"on {len(pool)} raydl actors ({len(files)} files)"
+                    f"{names} -> global shuffle ({exchange.partitions} partitions) "
+                    f"on raydl actors ({len(files)} files)"
                 ),
             )
-
-        def actors() -> Actors:  # on the epoch's thread, once Ray is up
-            self._connect()
-            # Nested in a list, the reference reaches the actors unresolved (they keep it).
-            work = [ray.put(here)]
-            # An epoch and the next one, started early, may both bind as Ray comes up:
-            # one pool, and one warm-up, for both.
-            with self._pool_lock:
-                pool = self._pool_for(direct, plan)
-                if self._actor_start is None and settings.options.start_in_process:
-                    self._actor_start = ActorStart("fetch", (work, WARM_UP))  # once per pool
-                start = self._actor_start
-            return Actors(pool, lambda run: (work, run), start)
-
         return DirectProducer(
             actors,
             [LoadRun(tuple(run)) for run in direct.runs()],
@@ -408,10 +394,32 @@ class RaySource(RankEpochs):
             describe=lambda request: describe_run(request[1].paths),
             description=f"{names} on {{actors}} raydl actors ({len(files)} files)",
             name=f"raydl-epoch-{epoch}-direct",
-            # While Ray and the pool's actors start, runs load here (the same batches).
-            local=functools.partial(load_here, here) if settings.options.start_in_process else None,
-            ray_up=self._ray_up,
+            local=local,
         )
+
+    def _actors_for(
+        self, direct: DirectPlan, plan: EpochPlan, here: EpochWork
+    ) -> Callable[[], Actors]:
+        """What makes a direct epoch's :class:`Actors`: called on the epoch's thread once
+        Ray is up (connecting, starting this source's pool, putting the epoch's work)."""
+        import ray
+
+        settings = self._settings
+
+        def actors() -> Actors:
+            self._connect()
+            # Nested in a list, the reference reaches the actors unresolved (they keep it).
+            work = [ray.put(here)]
+            # An epoch and the next one, started early, may both bind as Ray comes up:
+            # one pool, and one warm-up, for both.
+            with self._pool_lock:
+                pool = self._pool_for(direct, plan)
+                if self._actor_start is None and settings.options.start_in_process:
+                    self._actor_start = ActorStart("fetch", (work, WARM_UP))  # once per pool
+                start = self._actor_start
+            return Actors(pool, lambda run: (work, run), start)
+
+        return actors
 
     #: A global shuffle's map phase replies with one object per run (``map_phase``'s
     #: ``whole``) when the previous epoch's map output took at most this share of the
@@ -420,18 +428,17 @@ class RaySource(RankEpochs):
     WHOLE_RUNS_STORE_SHARE = 0.25
 
     def _map_phase(
-        self, pool: WorkerPool, work: Any, direct: DirectPlan
-    ) -> tuple[Callable[[Callable[[], None]], Partitions], bool]:
-        """The epoch's map phase on ``pool``'s actors (``map_phase``), and whether it replies
-        with whole runs (:meth:`_whole_runs`); the phase notes the size of its output."""
-        whole = self._whole_runs()
+        self, actors: LateActors, direct: DirectPlan, local: Callable[[MapRun], Any] | None = None
+    ) -> Callable[[Callable[[], None]], Partitions]:
+        """The epoch's map phase on ``actors`` (``map_phase``), with runs mapped here by
+        ``local`` while they start; the phase notes the size of its output."""
 
         def phase(between: Callable[[], None]) -> Partitions:
-            partitions = map_phase(pool, work, direct, between, whole=whole)
+            partitions = map_phase(actors, direct, between, whole=self._whole_runs, local=local)
             self._exchange_bytes = partitions.nbytes
             return partitions
 
-        return phase, whole
+        return phase
 
     def _whole_runs(self) -> bool:
         """Whether this epoch's map phase replies with whole runs (see ``map_phase``).

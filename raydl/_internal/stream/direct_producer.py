@@ -6,30 +6,14 @@ function of its files.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from raydl._internal.stream.batching import skip_consumed
-from raydl._internal.stream.dispatch import ActorStart, Calls, Dispatcher, Pool, RayCalls
+from raydl._internal.stream.dispatch import Actors, Calls, Dispatcher, LateActors, RayCalls
 from raydl._internal.stream.handoff import Handoff
 from raydl._internal.stream.pool_producers import PoolProducer, unwrap
 from raydl._internal.workers.convert import owned_blocks
-
-
-@dataclass(frozen=True)
-class Actors:
-    """Where a direct epoch sends its runs: the pool, a run's request to it, the pool's start.
-
-    ``request(run)`` is what an actor's ``fetch`` takes for one of the epoch's runs;
-    ``start`` (:class:`ActorStart`, shared by the pool's epochs) says whether the
-    actors have answered their warm-up, ``None`` when runs never load here.
-    """
-
-    pool: Pool
-    request: Callable[[Any], Any] = lambda run: run
-    start: ActorStart | None = None
 
 
 class DirectProducer(PoolProducer):
@@ -49,22 +33,20 @@ class DirectProducer(PoolProducer):
     (:func:`~raydl._internal.workers.convert.owned_blocks`): the batches cut from
     them reach ``collate`` writable, over the object store's memory, not copied.
 
-    ``actors`` is an :class:`Actors`, or a function that makes it (starting the
-    pool), called on this thread once ``ray_up()`` says Ray is up: an epoch may
-    start while Ray itself still starts (a reader's plan, built without Ray). With
-    ``local``, runs load in this process by ``local(run)`` until Ray is up and the
-    actors answered their warm-up (``Actors.start``): the warm-up goes to every
-    actor once, and runs go to the actors from the first run after all of them
-    answered (or failed: their runs then meet the failure as usual). A run is a
-    pure function of its files, so the epoch's blocks, and its batches, are the same
-    either way; only its first batch comes sooner (Ray's start and an actor's first
-    reply wait for processes and imports, seconds on a small machine).
+    ``actors`` is an :class:`Actors`, or a :class:`LateActors` that makes them on
+    this thread once Ray is up: an epoch may start while Ray itself still starts (a
+    reader's plan, built without Ray). With ``local``, runs load in this process by
+    ``local(run)`` until Ray is up and the actors answered their warm-up
+    (:meth:`LateActors.starting`). A run is a pure function of its files, so the
+    epoch's blocks, and its batches, are the same either way; only its first batch
+    comes sooner (Ray's start and an actor's first reply wait for processes and
+    imports, seconds on a small machine).
     ``description`` may name ``{actors}``, the pool's size, filled in once it is known.
     """
 
     def __init__(
         self,
-        actors: Actors | Callable[[], Actors],
+        actors: Actors | LateActors,
         runs: Sequence[Any],
         *,
         window_per_actor: int,
@@ -80,13 +62,10 @@ class DirectProducer(PoolProducer):
         name: str,
         calls: Calls | None = None,
         local: Callable[[Any], list[Any]] | None = None,
-        ray_up: Callable[[], bool] = lambda: True,
     ) -> None:
         super().__init__(None)
-        self._make_actors = actors if callable(actors) else lambda: actors
-        self._actors: Actors | None = None
-        self._ray_up = ray_up
         self._calls = calls or RayCalls()
+        self._actors = actors if isinstance(actors, LateActors) else LateActors(actors)
         self._local = local
         self._window_bytes = window_bytes
         self._size_of = size_of
@@ -107,7 +86,7 @@ class DirectProducer(PoolProducer):
     def summary(self) -> str | None:
         here = self.loaded_here
         started = f", {here} runs loaded in the training process while they started" if here else ""
-        bound = self._actors
+        bound = self._actors.bound
         actors = "no" if bound is None else str(len(bound.pool))
         return f"{self._description.format(actors=actors)}: {self.blocks} blocks{started}"
 
@@ -122,7 +101,7 @@ class DirectProducer(PoolProducer):
             if self.loaded_here == len(self._runs):  # all here: the epoch needs no Ray
                 self._ask_next()
                 return
-        actors = self._bind(wait=True)
+        actors = self._actors.bind(self._check_stop)
         assert actors is not None
         dispatch = Dispatcher(
             actors.pool,
@@ -150,17 +129,6 @@ class DirectProducer(PoolProducer):
         if start is not None and not self.handoff.stopped and start():
             self._start_next = None
 
-    def _bind(self, *, wait: bool) -> Actors | None:
-        """The epoch's :class:`Actors`, made once Ray is up; ``None`` before, unless ``wait``."""
-        if self._actors is None:
-            while not self._ray_up():
-                if not wait:
-                    return None
-                self._check_stop()
-                time.sleep(RAY_UP_POLL_S)
-            self._actors = self._make_actors()
-        return self._actors
-
     def _loaded(self, blocks: list[Any]) -> list[Any]:
         """A loaded run's blocks, counted (the summary's blocks, the largest run so far)."""
         self.blocks += len(blocks)
@@ -170,19 +138,10 @@ class DirectProducer(PoolProducer):
     def _while_starting(self, runs: Iterator[Any]) -> Iterator[Any]:
         """The first of ``runs``, loaded here while Ray or some actor has not answered yet."""
         assert self._local is not None
-        while True:
-            actors = self._bind(wait=False)
-            if actors is not None and (
-                actors.start is None or not actors.start.starting(actors.pool, self._calls)
-            ):
-                return
+        while self._actors.starting():
             run = next(runs, None)
             if run is None:
                 return
             self._check_stop()
             self.loaded_here += 1
             yield from self._loaded(owned_blocks(self._local(run)))  # this epoch's alone
-
-
-#: Seconds between looks at whether Ray is up, while a direct epoch waits for it.
-RAY_UP_POLL_S = 0.02

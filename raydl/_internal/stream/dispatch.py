@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raydl._internal.workers.pool import MAX_TASK_RETRIES, stopped_error
@@ -320,6 +321,71 @@ class ActorStart:
                     self._waiting = [ref for ref in self._waiting if not _answered(calls, ref)]
             self._waiting = [ref for ref in self._waiting if not _answered(calls, ref)]
             return bool(self._waiting)
+
+
+@dataclass(frozen=True)
+class Actors:
+    """Where a direct epoch sends its runs: the pool, a run's request to it, the pool's start.
+
+    ``request(run)`` is what an actor's ``fetch`` takes for one of the epoch's runs;
+    ``start`` (:class:`ActorStart`, shared by the pool's epochs) says whether the
+    actors have answered their warm-up, ``None`` when runs never load here.
+    """
+
+    pool: Pool
+    request: Callable[[Any], Any] = lambda run: run
+    start: ActorStart | None = None
+
+
+class LateActors:
+    """An epoch's :class:`Actors`, made once Ray is up: an epoch may start while Ray starts.
+
+    ``make`` makes them (starting the pool); it is called once, on the epoch's
+    thread, when ``ray_up()`` first says Ray is up. Until then, and until every
+    actor answered its warm-up (``Actors.start``, asked through ``calls``), the epoch
+    may load its runs in the training process (:meth:`starting`).
+    """
+
+    def __init__(
+        self,
+        make: Actors | Callable[[], Actors],
+        ray_up: Callable[[], bool] = lambda: True,
+        calls: Calls | None = None,
+    ) -> None:
+        self._make = make if callable(make) else lambda: make
+        self._ray_up = ray_up
+        self._calls = calls or RayCalls()
+        self.bound: Actors | None = None
+
+    def bind(self, between: Callable[[], None] | None = None) -> Actors | None:
+        """The :class:`Actors`, made once Ray is up; ``None`` before, unless ``between``.
+
+        ``between``: wait for Ray, calling it (a stop check) every poll.
+        """
+        if self.bound is None:
+            while not self._ray_up():
+                if between is None:
+                    return None
+                between()
+                time.sleep(RAY_UP_POLL_S)
+            self.bound = self._make()
+        return self.bound
+
+    def starting(self) -> bool:
+        """Whether Ray is not up yet, or some actor has not answered its warm-up.
+
+        An epoch whose runs may load here (``Actors.start`` set) loads them here while
+        this holds; runs go to the actors from the first run after all of them answered
+        (or failed: their runs then meet the failure as usual).
+        """
+        actors = self.bind()
+        return actors is None or (
+            actors.start is not None and actors.start.starting(actors.pool, self._calls)
+        )
+
+
+#: Seconds between looks at whether Ray is up, while an epoch waits for it.
+RAY_UP_POLL_S = 0.02
 
 
 def _answered(calls: Calls, ref: Any) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raydl._internal.epochs.exchange import Piece, piece_bounds
+from raydl._internal.epochs.exchange import Here, Piece, piece_bounds
 from raydl._internal.stream.batching import Batch, row_count
 from raydl._internal.stream.dispatch import Calls, RayCalls, ResultTimeout
 from raydl._internal.stream.epoch_iterator import Producer
@@ -42,11 +42,16 @@ class Partitions:
             object, in run order); an entry is dropped (``None``) once taken, so its
             memory can go.
         nbytes: The map phase's output, in bytes (``map_phase``'s ``whole`` rule).
+        mapped_here: Runs mapped in the training process (their pieces slice a
+            :class:`Here`) while Ray or raydl's actors started.
+        whole: Whether the actors replied with whole runs (``map_phase``).
     """
 
     counts: list[int]
     pieces: list[list[Piece] | None]
     nbytes: int = 0
+    mapped_here: int = 0
+    whole: bool = False
 
     @classmethod
     def empty(cls, partitions: int) -> Partitions:
@@ -143,12 +148,24 @@ class ExchangeProducer(Producer):
         self._calls = calls or RayCalls()
         self.partitions = 0  # partitions reduced so far (for the summary)
         self.map_s: float | None = None  # how long the map phase took (or was waited for)
+        self._mapped = ""  # the summary's words on the map phase, once it is done
         self.handoff = Handoff(maxsize=max(1, prefetch))
         self.handoff.start(self._loop, name=name)
 
     def summary(self) -> str | None:
-        waited = "" if self.map_s is None else f", map phase {self.map_s:.2f} s"
+        waited = "" if self.map_s is None else f", map phase {self.map_s:.2f} s{self._mapped}"
         return f"{self._description}: {self.partitions} partitions reduced{waited}"
+
+    @staticmethod
+    def _describe(partitions: Partitions) -> str:
+        """The summary's words on a finished map phase: its layout, the runs mapped here."""
+        words = ", whole runs" if partitions.whole else ""
+        if partitions.mapped_here:
+            words += (
+                f", {partitions.mapped_here} runs mapped in the training process"
+                " while raydl's actors started"
+            )
+        return words
 
     def _check_stop(self) -> None:
         if self.handoff.stopped:
@@ -158,6 +175,7 @@ class ExchangeProducer(Producer):
         began = time.perf_counter()
         partitions = self._map_phase(self._check_stop)
         self.map_s = time.perf_counter() - began
+        self._mapped = self._describe(partitions)
         self._ask_next()
         start, stop = self._rows(sum(partitions.counts))
         for batch in self._cut(self._blocks(partitions, start, stop)):
@@ -190,6 +208,8 @@ class ExchangeProducer(Producer):
     def _get(self, pieces: list[Piece], fetched: dict[Any, Batch]) -> list[Batch]:
         """The pieces' rows (views), fetching the objects not in ``fetched`` (and adding them)."""
         missing = list(dict.fromkeys(p.ref for p in pieces if p.ref not in fetched))
+        fetched.update((ref, ref.rows) for ref in missing if isinstance(ref, Here))
+        missing = [ref for ref in missing if not isinstance(ref, Here)]
         while missing:
             try:
                 fetched.update(zip(missing, self._calls.get(missing, SLICE_S), strict=True))
