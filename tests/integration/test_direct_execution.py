@@ -349,28 +349,9 @@ def test_a_dead_actor_seen_by_two_epochs_is_replaced_once() -> None:
 
 
 def _global(folder: Path, ds: Any = None, **kwargs: Any) -> RayDataLoader:
-    """A globally shuffled loader; every run on the actors unless ``start_in_process=True``
-    (tiny epochs would be mapped whole in this process while the actors start)."""
-    kwargs.setdefault("start_in_process", False)
     return RayDataLoader(
         ds if ds is not None else _dataset(folder), batch_size=8, shuffle=True, seed=11, **kwargs
     )
-
-
-@pytest.mark.timeout(120)
-def test_a_new_loaders_first_global_epoch_maps_runs_here_and_gives_the_same_order(
-    folder: Path,
-) -> None:
-    """While its actors start, a global epoch's map phase maps its first runs in the trainer."""
-    first = _global(folder, start_in_process=True)
-    ids, pids = _epoch(first)
-    assert sorted(ids) == list(range(FILES)) and os.getpid() in pids
-    assert "runs mapped in the training process while raydl's actors started" in _summary(first)
-    first.close()
-    off = _global(folder)
-    off_ids, off_pids = _epoch(off)
-    assert off_ids == ids and os.getpid() not in off_pids
-    off.close()
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -205,19 +206,23 @@ class _MapActors:
     """``Calls`` of two actors that map runs (``(work, MapRun)``) into ``objects``.
 
     A reply is the head and the references to its objects, as ``SplitCalls.get``
-    gives them; a warm-up (``"warm"``) is answered at once.
+    gives them; a warm-up (``"warm"``) is answered at once, unless ``never_warm``.
     """
 
     def __init__(self, exchange: Exchange, runs: list[Any], objects: dict[Any, Any]) -> None:
         self.exchange, self.runs, self.objects = exchange, runs, objects
         self.mapped: list[int] = []
         self.actors = ["a0", "a1"]
+        self.never_warm = False  # the actors' warm-ups never answer (still starting)
 
     def submit(self, actor: Any, method: str, request: Any) -> Any:
         return request
 
     def get(self, ref: Any, timeout: float) -> Any:
         if ref == "warm":
+            if self.never_warm:
+                time.sleep(timeout)
+                raise ResultTimeout
             return []
         _, task = ref
         self.mapped.append(task.run)
@@ -291,6 +296,36 @@ def test_runs_mapped_here_while_ray_starts_give_the_epoch_the_actors_give(
     assert [i for b in batches for i in b] == _epoch(exchange, runs).tolist()
     if here:
         assert f"{here} runs mapped in the training process" in str(producer.summary())
+
+
+def test_runs_mapped_here_stop_at_their_byte_budget_and_the_rest_go_to_starting_actors() -> None:
+    """The trainer keeps at most ``here_bytes`` (plus one run) of mapped runs: the rest goes
+    to the actors even while they still start (their warm-ups never answer here)."""
+    from types import SimpleNamespace
+
+    from raydl._internal.epochs.direct import MapRun, loaded_bytes, map_phase
+    from raydl._internal.stream.dispatch import Actors, ActorStart, LateActors
+
+    runs = _runs([40, 40, 40, 40])
+    exchange = Exchange(seed=3, partitions=4)
+    plan = SimpleNamespace(exchange=exchange, runs=lambda: [(f"f{i}",) for i in range(4)])
+    calls = _MapActors(exchange, runs, {})
+    calls.never_warm = True
+
+    def local(task: MapRun) -> Any:
+        counts, grouped = exchange.group(task.run, runs[task.run])
+        return (counts, loaded_bytes([grouped])), grouped
+
+    actors = LateActors(
+        Actors(calls, lambda task: ("work", task), ActorStart("fetch", "warm")), calls=calls
+    )
+    one_run = loaded_bytes([exchange.group(0, runs[0])[1]])
+    partitions = map_phase(
+        actors, plan, lambda: None, calls, whole=lambda: True, local=local,  # type: ignore[arg-type]
+        here_bytes=lambda: one_run + 1,
+    )  # fmt: skip
+    assert partitions.mapped_here == 2 and calls.mapped == [2, 3]
+    assert sum(partitions.counts) == 160 and partitions.whole
 
 
 def test_closing_during_the_epoch_stops_the_thread() -> None:

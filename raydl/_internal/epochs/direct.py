@@ -68,6 +68,10 @@ MIN_RUNS = 16
 #: Bytes of loaded runs in flight per epoch, at most (fewer runs are sent at once once
 #: the first runs show how large a loaded run is; at least one is always in flight).
 WINDOW_BYTES = 512 << 20
+#: Bytes of runs a global shuffle's map phase keeps in the training process, at most
+#: (plus one run), while Ray or raydl's actors start: they stay there until their
+#: partitions are reduced, outside the object store (which spills; this process does not).
+MAP_HERE_BYTES = 256 << 20
 #: Listed bytes of one file, at most: a run is loaded whole in its actor (Ray Data streams
 #: a file's row groups), so plans with larger files stay on Ray Data.
 MAX_FILE_BYTES = 4 * BYTES_PER_RUN
@@ -416,6 +420,7 @@ def map_phase(
     *,
     whole: Callable[[], bool],
     local: Callable[[MapRun], Any] | None = None,
+    here_bytes: Callable[[], int] = lambda: MAP_HERE_BYTES,
 ) -> Partitions:
     """A globally shuffled epoch's map phase (``exchange.py``), on raydl's actors.
 
@@ -426,8 +431,9 @@ def map_phase(
 
     ``local``: while Ray or the actors still start (:meth:`LateActors.starting`), the
     next runs are mapped in this process instead, by ``local(task)`` (the actors' own
-    code, :func:`load_here`), and their grouped rows stay here (:class:`Here`). A run
-    is a pure function of its files, so the epoch is the same either way.
+    code, :func:`load_here`), and their grouped rows stay here (:class:`Here`), until
+    they hold ``here_bytes()``. A run is a pure function of its files, so the epoch is
+    the same either way.
 
     ``whole()``, asked once the actors are bound: each run comes back as one object
     (its rows sorted by partition), which the reduces slice, instead of one object
@@ -445,7 +451,7 @@ def map_phase(
     parts = exchange.partitions
     partitions = Partitions.empty(parts)
     runs = collections.deque(MapRun(index, run) for index, run in enumerate(plan.runs()))
-    while local is not None and runs and actors.starting():
+    while local is not None and runs and partitions.nbytes < here_bytes() and actors.starting():
         between()
         (counts, nbytes), grouped = local(replace(runs.popleft(), whole=True))
         partitions.add(counts, [Here(grouped)], whole=True, nbytes=nbytes)
