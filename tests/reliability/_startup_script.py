@@ -13,6 +13,10 @@ Modes:
         drop it when told on stdin (``dropped``).
     gated_then_dropped: ``gated`` (its loader closed: ``closed``), then, when told on
         stdin, ``dropped`` in the same process.
+    read_epochs: a raydl read, which starts Ray on raydl's own thread, then a loader's
+        epochs as in ``epochs``.
+    read_interrupted_in_an_import: a raydl read, then a Ctrl-C that leaves CPython's import
+        lock held (as one that hits an import may), while Ray's start goes on.
     gated_read: ``ray.init`` held as in ``gated``; a raydl read returns before Ray is up,
         a ``ds.count()`` of the script waits for raydl's start, and the first epochs of
         two loaders (files order, global shuffle) load in this process meanwhile; then
@@ -98,6 +102,33 @@ def epochs(record: dict, count: int) -> None:
         record[f"epoch_{epoch}"] = True
 
 
+def read_epochs(record: dict, folder: str, count: int) -> None:
+    """A raydl read (Ray starts on raydl's thread), then a loader's epochs, as ``epochs``."""
+    import raydl
+
+    ds = raydl.read_parquet(folder).map_batches(_double)
+    _say("read")
+    loader = raydl.RayDataLoader(ds, batch_size=4, shuffle=True)
+    for epoch in range(count):
+        for _ in loader:
+            _say("batch")
+            time.sleep(0.2)
+        record[f"epoch_{epoch}"] = True
+
+
+def read_interrupted_in_an_import(record: dict, folder: str) -> None:
+    """A raydl read, then a Ctrl-C as one that hits an import leaves CPython's import lock:
+    held by this thread for good, so the start's ``ray.init`` waits forever at its next import."""
+    import _imp
+
+    import raydl
+
+    raydl.read_parquet(folder)
+    _imp.acquire_lock()  # never released, as by an interrupt inside importlib's _get_module_lock
+    _say("locked")
+    raise KeyboardInterrupt
+
+
 def gated_then_dropped(record: dict, folder: str) -> None:
     """``gated``, then (told on stdin, once the test saw its actor go) ``dropped``: one process
     and one Ray start for both."""
@@ -173,7 +204,16 @@ def gated_read(record: dict, folder: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "mode", choices=["gated", "epochs", "dropped", "gated_then_dropped", "gated_read"]
+        "mode",
+        choices=[
+            "gated",
+            "epochs",
+            "dropped",
+            "gated_then_dropped",
+            "gated_read",
+            "read_epochs",
+            "read_interrupted_in_an_import",
+        ],
     )
     parser.add_argument("record")
     parser.add_argument("--epochs", type=int, default=2)
@@ -189,6 +229,10 @@ def main() -> None:
             epochs(record, args.epochs)
         elif args.mode == "gated_read":
             gated_read(record, args.folder)
+        elif args.mode == "read_epochs":
+            read_epochs(record, args.folder, args.epochs)
+        elif args.mode == "read_interrupted_in_an_import":
+            read_interrupted_in_an_import(record, args.folder)
         else:
             dropped(record, args.folder)
     finally:

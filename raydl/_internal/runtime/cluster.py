@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from raydl._internal.runtime import env, reaper
+from raydl._internal.runtime import env, interrupt, reaper
 from raydl._internal.runtime.world import Channel, Rendezvous, World
 from raydl.errors import RayDLError
 
@@ -177,14 +177,25 @@ def _start_for_reads(release: Callable[[], None]) -> None:
 
 
 def _finish_reads_start() -> None:
-    """At exit: let a start for reads end before Ray's own exit handler stops the instance."""
+    """At exit: let a start for reads end before Ray's own exit handler stops the instance.
+
+    After a Ctrl-C, only briefly: the interrupt may have hit the main thread inside an
+    import (a lazy ``raydl`` attribute, say) while it held CPython's global import lock,
+    which is then never released (seen here once in about 40 tries: the start's
+    ``ray.init`` waited forever for an import of ``aiohttp``). Ray's processes share the
+    fate of this one, so they end with it either way.
+    """
     thread = _reads_start
     if thread is not None:
-        thread.join(READS_START_EXIT_WAIT_S)
+        thread.join(
+            READS_START_INTERRUPTED_WAIT_S if interrupt.interrupted() else READS_START_EXIT_WAIT_S
+        )
 
 
 #: Seconds a process that exits waits for a start for reads still under way.
 READS_START_EXIT_WAIT_S = 60
+#: The same, for a process that exits because of a Ctrl-C.
+READS_START_INTERRUPTED_WAIT_S = 5
 
 
 def starts_without_collectives(address: str | None, world: World) -> bool:

@@ -58,6 +58,11 @@ class _Chain:
         self._before(kind, value, tb)
 
 
+def interrupted() -> bool:
+    """Whether the process is ending because of an unhandled Ctrl-C (``KeyboardInterrupt``)."""
+    return _interrupted
+
+
 def _exit_as_interrupted() -> None:
     if not _interrupted:
         return
