@@ -382,3 +382,20 @@ def test_a_reduce_gives_mixed_pieces_the_dtype_and_shape_concatenation_gives(
     assert part["s"].dtype == whole["s"].dtype and part["s"].tolist() == whole["s"][order].tolist()
     assert part["x"].dtype == object
     assert [row.shape for row in part["x"]] == [(2,) if i < 3 else (5,) for i in order]
+
+
+def test_a_run_mapped_here_that_raises_names_its_files_and_the_training_process() -> None:
+    import traceback
+
+    from raydl._internal.epochs.direct import MapRun, load_here
+
+    class Work:
+        stages = ()
+
+        def run(self, task: Any, *, own_context: bool = True) -> Any:
+            raise ValueError("a bad row")
+
+    with pytest.raises(ValueError, match="a bad row") as info:
+        load_here(Work(), MapRun(3, ("a.parquet", "b.parquet"), whole=True))  # type: ignore[arg-type]
+    text = "".join(traceback.format_exception(info.value))
+    assert "a.parquet" in text and "in the training process" in text, text

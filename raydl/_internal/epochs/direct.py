@@ -69,8 +69,10 @@ MIN_RUNS = 16
 #: the first runs show how large a loaded run is; at least one is always in flight).
 WINDOW_BYTES = 512 << 20
 #: Bytes of runs a global shuffle's map phase keeps in the training process, at most
-#: (plus one run), while Ray or raydl's actors start: they stay there until their
-#: partitions are reduced, outside the object store (which spills; this process does not).
+#: (plus one run), per epoch, while Ray is not up: a run stays there until the last
+#: partition that slices it is reduced (a run has rows in nearly every partition: about
+#: the epoch's end), outside the object store (which spills; this process does not). At
+#: an epoch boundary two epochs may hold that much (the next one started early).
 MAP_HERE_BYTES = 256 << 20
 #: Listed bytes of one file, at most: a run is loaded whole in its actor (Ray Data streams
 #: a file's row groups), so plans with larger files stay on Ray Data.
@@ -451,8 +453,10 @@ def map_phase(
     parts = exchange.partitions
     partitions = Partitions.empty(parts)
     runs = collections.deque(MapRun(index, run) for index, run in enumerate(plan.runs()))
-    while local is not None and runs and partitions.nbytes < here_bytes() and actors.starting():
-        between()
+    while local is not None and runs and partitions.nbytes < here_bytes():
+        between()  # before starting(), which may bind (connect, start the pool)
+        if not actors.starting():
+            break
         (counts, nbytes), grouped = local(replace(runs.popleft(), whole=True))
         partitions.add(counts, [Here(grouped)], whole=True, nbytes=nbytes)
         partitions.mapped_here += 1

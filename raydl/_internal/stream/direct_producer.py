@@ -65,7 +65,9 @@ class DirectProducer(PoolProducer):
     ) -> None:
         super().__init__(None)
         self._calls = calls or RayCalls()
-        self._actors = actors if isinstance(actors, LateActors) else LateActors(actors)
+        self._actors = (
+            actors if isinstance(actors, LateActors) else LateActors(actors, calls=self._calls)
+        )
         self._local = local
         self._window_bytes = window_bytes
         self._size_of = size_of
@@ -138,10 +140,12 @@ class DirectProducer(PoolProducer):
     def _while_starting(self, runs: Iterator[Any]) -> Iterator[Any]:
         """The first of ``runs``, loaded here while Ray or some actor has not answered yet."""
         assert self._local is not None
-        while self._actors.starting():
+        while True:
+            self._check_stop()  # before starting(), which may bind (connect, start the pool)
+            if not self._actors.starting():
+                return
             run = next(runs, None)
             if run is None:
                 return
-            self._check_stop()
             self.loaded_here += 1
             yield from self._loaded(owned_blocks(self._local(run)))  # this epoch's alone

@@ -174,8 +174,8 @@ class ExchangeProducer(Producer):
     def _loop(self) -> None:
         began = time.perf_counter()
         partitions = self._map_phase(self._check_stop)
-        self.map_s = time.perf_counter() - began
         self._mapped = self._describe(partitions)
+        self.map_s = time.perf_counter() - began
         self._ask_next()
         start, stop = self._rows(sum(partitions.counts))
         for batch in self._cut(self._blocks(partitions, start, stop)):
@@ -198,7 +198,9 @@ class ExchangeProducer(Producer):
             for ref in (p.ref for p in pieces):
                 uses[ref] -= 1
                 if not uses[ref]:
-                    del fetched[ref]  # its memory goes before the block's batches are handed over
+                    # Its memory goes before the block's batches are handed over (the
+                    # reference too: a Counter keeps its keys at zero).
+                    del fetched[ref], uses[ref]
             del pieces
             self.partitions += 1
             self._ask_next()
