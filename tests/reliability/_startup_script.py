@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 
+import psutil
 import torch
 
 
@@ -116,17 +117,28 @@ def read_epochs(record: dict, folder: str, count: int) -> None:
         record[f"epoch_{epoch}"] = True
 
 
-def read_interrupted_in_an_import(record: dict, folder: str) -> None:
+def read_interrupted_in_an_import(record: dict, folder: str, caught: bool) -> None:
     """A raydl read, then a Ctrl-C as one that hits an import leaves CPython's import lock:
-    held by this thread for good, so the start's ``ray.init`` waits forever at its next import."""
+    held by this thread for good, so the start's ``ray.init`` waits forever at its next import.
+    ``caught``: the script catches the interrupt and exits with status 3."""
     import _imp
 
     import raydl
 
     raydl.read_parquet(folder)
+    began = time.monotonic()  # the start of Ray under way (its next import will wait), then:
+    while not any(p.name() == "gcs_server" for p in psutil.Process().children(recursive=True)):
+        assert time.monotonic() - began < 30, "Ray's start did not begin"
+        time.sleep(0.02)
     _imp.acquire_lock()  # never released, as by an interrupt inside importlib's _get_module_lock
     _say("locked")
-    raise KeyboardInterrupt
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        if not caught:
+            raise
+        record["caught"] = True
+    sys.exit(3)
 
 
 def gated_then_dropped(record: dict, folder: str) -> None:
@@ -218,6 +230,7 @@ def main() -> None:
     parser.add_argument("record")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--folder", default="")
+    parser.add_argument("--caught", action="store_true")
     args = parser.parse_args()
     record: dict = {}
     try:
@@ -232,7 +245,7 @@ def main() -> None:
         elif args.mode == "read_epochs":
             read_epochs(record, args.folder, args.epochs)
         elif args.mode == "read_interrupted_in_an_import":
-            read_interrupted_in_an_import(record, args.folder)
+            read_interrupted_in_an_import(record, args.folder, args.caught)
         else:
             dropped(record, args.folder)
     finally:

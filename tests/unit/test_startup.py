@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -154,3 +155,41 @@ def test_ray_workers_started_by_a_rank_are_not_ranks(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("RANK", "")
     monkeypatch.setenv("WORLD_SIZE", "")
     assert env.torchrun_world() is None
+
+
+@pytest.mark.timeout(30)
+def test_an_import_lock_this_thread_left_held_is_released_and_another_threads_is_left() -> None:
+    import _imp
+
+    from raydl._internal.runtime import interrupt
+
+    sys.modules.pop("colorsys", None)  # so that the other thread's import needs the lock
+    # Held twice by this thread, as an interrupt inside importlib leaves it (reentrant).
+    _imp.acquire_lock()
+    _imp.acquire_lock()
+    imported = threading.Event()
+    other = threading.Thread(target=lambda: (__import__("colorsys"), imported.set()))
+    other.start()  # its import waits for the lock
+    assert not imported.wait(0.2)
+    assert interrupt.release_import_lock_left_held() == 2
+    assert imported.wait(10) and not _imp.lock_held()
+    other.join()
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        _imp.acquire_lock()
+        held.set()
+        release.wait(10)
+        _imp.release_lock()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    try:
+        assert interrupt.release_import_lock_left_held() == 0  # another thread's: left
+        assert _imp.lock_held()
+    finally:
+        release.set()
+        holder.join()
+    assert not _imp.lock_held()

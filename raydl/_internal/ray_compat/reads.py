@@ -193,6 +193,9 @@ def read_datasource(datasource: Any, *, cpus: int, **options: Any) -> Any:
     import ray
     import ray.data
 
+    from raydl._internal.ray_compat import context as data_context
+
+    data_context.get_current()  # created here, if first, without Ray's state API
     if ray.is_initialized():
         return ray.data.read_datasource(datasource, **options)
     return plan_read(datasource, cpus=cpus, **options)
@@ -228,6 +231,8 @@ def plan_read(datasource: Any, *, cpus: int, **options: Any) -> Any:
     from ray.data.dataset import Dataset
     from ray.util.placement_group import PlacementGroup
 
+    from raydl._internal.ray_compat import context as data_context
+
     blocks = options.pop("override_num_blocks", None)
     parallelism = -1 if blocks is None else int(blocks)
     compute = options.pop("compute", None)
@@ -239,7 +244,7 @@ def plan_read(datasource: Any, *, cpus: int, **options: Any) -> Any:
             "max_calls", "resources", "accelerator_type", "runtime_env", "ray_remote_args",
         )
     }  # fmt: skip
-    ctx = DataContext.get_current()
+    ctx = data_context.get_current()
     remote_args = read_api._resolve_read_remote_args(datasource, ctx=ctx, **named)
     reader = read_api._get_datasource_or_legacy_reader(datasource, ctx, options)
     requested, _, _ = _autodetect_parallelism(

@@ -179,14 +179,15 @@ def _start_for_reads(release: Callable[[], None]) -> None:
 def _finish_reads_start() -> None:
     """At exit: let a start for reads end before Ray's own exit handler stops the instance.
 
-    After a Ctrl-C, only briefly: the interrupt may have hit the main thread inside an
-    import (a lazy ``raydl`` attribute, say) while it held CPython's global import lock,
-    which is then never released (seen here once in about 40 tries: the start's
-    ``ray.init`` waited forever for an import of ``aiohttp``). Ray's processes share the
-    fate of this one, so they end with it either way.
+    A Ctrl-C may have hit the main thread inside an import and left CPython's import
+    lock held (``interrupt.release_import_lock_left_held``): the start's ``ray.init``
+    would then wait forever at its next import, so that hold is released first. After
+    a Ctrl-C the wait is brief: the user asked to stop, and Ray's processes share the
+    fate of this one either way.
     """
     thread = _reads_start
-    if thread is not None:
+    if thread is not None and thread.is_alive():
+        interrupt.release_import_lock_left_held()
         thread.join(
             READS_START_INTERRUPTED_WAIT_S if interrupt.interrupted() else READS_START_EXIT_WAIT_S
         )
@@ -382,11 +383,10 @@ def quiet_ray_data() -> None:
     call it unless something already did: a loader of a torch ``Dataset`` never
     needs Ray Data.
     """
-    from ray.data import DataContext
-
     from raydl._internal.ray_compat import cluster as ray_core
+    from raydl._internal.ray_compat import context as data_context
 
-    ctx = DataContext.get_current()
+    ctx = data_context.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)

@@ -63,6 +63,28 @@ def interrupted() -> bool:
     return _interrupted
 
 
+def release_import_lock_left_held() -> int:
+    """Release CPython's global import lock where this thread still holds it; returns how often.
+
+    A Ctrl-C that lands inside importlib between its acquire of that lock and the
+    ``try`` that releases it (``_get_module_lock``) leaves the lock held by the
+    interrupted thread for good, and every other thread's next import waits forever
+    (seen once in about 40 tries: a start of Ray for reads, at exit). Call it where this
+    thread is inside no import, such as an ``atexit`` handler: any hold it has then is
+    such a leftover. A lock held by another thread (an import under way there) is left.
+    """
+    import _imp
+
+    released = 0
+    while _imp.lock_held():
+        try:
+            _imp.release_lock()
+        except RuntimeError:  # held by another thread
+            break
+        released += 1
+    return released
+
+
 def _exit_as_interrupted() -> None:
     if not _interrupted:
         return
