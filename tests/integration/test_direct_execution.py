@@ -360,7 +360,7 @@ def test_the_global_shuffle_runs_on_raydls_actors_a_new_uniform_order_each_epoch
 ) -> None:
     loader = _global(folder)
     epochs = [_epoch(loader)[0] for _ in range(3)]
-    assert "global shuffle" in _summary(loader) and "raydl actors" in _summary(loader)
+    assert "global shuffle" in _summary(loader) and "on 2 raydl actors" in _summary(loader)
     for ids in epochs:
         assert sorted(ids) == list(range(FILES))
     assert len({tuple(ids) for ids in epochs}) == 3

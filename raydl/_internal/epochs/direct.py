@@ -464,6 +464,7 @@ def map_phase(
         return partitions
     bound = actors.bind(between)
     assert bound is not None
+    partitions.actors = len(bound.pool)
     whole_runs = whole()
     dispatch = Dispatcher(
         bound.pool,

@@ -378,7 +378,7 @@ class RaySource(RankEpochs):
                 start_next=start_next,
                 description=(
                     f"{names} -> global shuffle ({exchange.partitions} partitions) "
-                    f"on raydl actors ({len(files)} files)"
+                    f"on {{actors}} raydl actors ({len(files)} files)"
                 ),
             )
         return DirectProducer(

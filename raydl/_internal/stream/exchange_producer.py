@@ -45,6 +45,7 @@ class Partitions:
         mapped_here: Runs mapped in the training process (their pieces slice a
             :class:`Here`) while Ray or raydl's actors started.
         whole: Whether the actors replied with whole runs (``map_phase``).
+        actors: How many of raydl's actors the other runs went to (0: none).
     """
 
     counts: list[int]
@@ -52,6 +53,7 @@ class Partitions:
     nbytes: int = 0
     mapped_here: int = 0
     whole: bool = False
+    actors: int = 0
 
     @classmethod
     def empty(cls, partitions: int) -> Partitions:
@@ -119,7 +121,9 @@ class ExchangeProducer(Producer):
         prefetch: Batches handed over ahead of the trainer.
         start_next: Asked once the map phase is done (and again per partition while
             it answers ``False``: too soon) to start the next epoch.
-        description: Names the epoch's work in its summary.
+        description: Names the epoch's work in its summary; ``{actors}`` in it stands
+            for the number of raydl's actors the map phase used ("no" until it is done,
+            or when every run was mapped here).
         name: The thread's name.
         calls: How results are fetched (:class:`RayCalls`; fakes in tests).
     """
@@ -149,12 +153,14 @@ class ExchangeProducer(Producer):
         self.partitions = 0  # partitions reduced so far (for the summary)
         self.map_s: float | None = None  # how long the map phase took (or was waited for)
         self._mapped = ""  # the summary's words on the map phase, once it is done
+        self._actors = "no"  # the actors it used, once it is done
         self.handoff = Handoff(maxsize=max(1, prefetch))
         self.handoff.start(self._loop, name=name)
 
     def summary(self) -> str | None:
         waited = "" if self.map_s is None else f", map phase {self.map_s:.2f} s{self._mapped}"
-        return f"{self._description}: {self.partitions} partitions reduced{waited}"
+        description = self._description.format(actors=self._actors)
+        return f"{description}: {self.partitions} partitions reduced{waited}"
 
     @staticmethod
     def _describe(partitions: Partitions) -> str:
@@ -175,6 +181,7 @@ class ExchangeProducer(Producer):
         began = time.perf_counter()
         partitions = self._map_phase(self._check_stop)
         self._mapped = self._describe(partitions)
+        self._actors = str(partitions.actors or "no")
         self.map_s = time.perf_counter() - began
         self._ask_next()
         start, stop = self._rows(sum(partitions.counts))
