@@ -31,6 +31,10 @@ class Squares(Dataset):
 class Stream(IterableDataset):
     def __iter__(self):
         return iter(torch.tensor([i]) for i in range(6))
+
+
+def double(batch):
+    return {"id": batch["id"] * 2}
 """
 
 
@@ -86,6 +90,39 @@ def test_a_module_the_workers_cannot_import_is_named(script_module: Any, kind: s
     assert caught.value.name == name
     # In process, the trainer's own import is used: the same dataset loads.
     assert len(list(RayDataLoader(getattr(script_module, kind)(), batch_size=2))) == 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shuffle_mode", ["files", "global"])
+def test_a_stage_module_raydls_actors_cannot_import_is_named(
+    script_module: Any, tmp_path: Path, shuffle_mode: str
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import raydl
+
+    for part in range(40):  # enough files that listing them all would drown the message
+        pq.write_table(pa.table({"id": [part]}), tmp_path / f"part-{part:03d}.parquet")
+    name = script_module.__name__
+    ds = raydl.read_parquet(str(tmp_path)).map_batches(script_module.double)
+    # Every run on the actors (while they start, runs would load in the trainer, which
+    # imports the module).
+    loader = RayDataLoader(
+        ds, batch_size=4, shuffle=True, shuffle_mode=shuffle_mode, start_in_process=False
+    )
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=rf"^a raydl actor could not import module '{name}' while unpickling the epoch's "
+        r"read and Ray Data stages \(their functions and arguments\) \(ModuleNotFoundError: "
+        rf"No module named '{name}'\): .* put its folder on PYTHONPATH before starting the "
+        r"script .* \(ray\.init\(runtime_env=\.\.\.\) before the first raydl read or "
+        r"loader\)$",
+    ) as caught:
+        list(loader)
+    assert caught.value.name == name
+    assert "part-0" not in str(caught.value)  # no list of the run's files
+    loader.close()
 
 
 @pytest.mark.timeout(120)

@@ -47,11 +47,12 @@ from raydl._internal.epochs.exchange import Exchange, Here, partition_count
 from raydl._internal.epochs.exchange import shares as exchange_shares
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
+from raydl._internal.ray_compat.errors import unpickling_cause
 from raydl._internal.stream.batching import Batch, concat, row_count
 from raydl._internal.stream.dispatch import Calls, Dispatcher, LateActors, SplitCalls
 from raydl._internal.workers.failure import RemoteError
 from raydl._internal.workers.pool import WorkerPool
-from raydl._internal.workers.worker import WorkerSpec
+from raydl._internal.workers.worker import ImportFailure, WorkerSpec
 
 if TYPE_CHECKING:
     from raydl._internal.stream.exchange_producer import Partitions
@@ -264,11 +265,14 @@ class MapRun:
 
     ``whole``: reply with the grouped run as one object (:meth:`Exchange.group`), not
     one object per partition (:meth:`Exchange.split`); see :func:`map_phase`.
+    ``partitions``: the epoch's output partitions (how many objects a reply that is
+    not ``whole`` has after its head, a failure's included).
     """
 
     run: int
     paths: tuple[str, ...]
     whole: bool = False
+    partitions: int = 0
 
 
 @dataclass(frozen=True)
@@ -327,15 +331,6 @@ class EpochWork:
         counts, pieces = self.exchange.split(task.run, loaded)
         return (counts, loaded_bytes(pieces)), *pieces
 
-    def failed(self, task: Task, error: RemoteError) -> Any:
-        """The reply carrying ``error`` in place of ``task``'s (as many objects as its reply)."""
-        if isinstance(task, MapRun):
-            assert self.exchange is not None
-            return (error, *([None] * (1 if task.whole else self.exchange.partitions)))
-        if isinstance(task, DealRun):
-            return error, None
-        return error
-
 
 def _as_numpy(output: Any) -> dict[str, np.ndarray]:
     """A stage's output (or a read's block) as Ray Data's numpy batch of it.
@@ -378,12 +373,38 @@ class RunLoader:
         ref = holder[0]
         work = self._works.get(ref)
         if work is None:
-            work = ray.get(ref)
+            try:
+                work = ray.get(ref)
+            except Exception as err:  # not cached: the next request tries again
+                return failed_reply(task, _unpickling_failed(err))
             self._works = {ref: work, **dict(list(self._works.items())[:1])}  # this + one more
         try:
             return work.run(task)
         except Exception:
-            return work.failed(task, RemoteError(where=_where(work, "on a raydl actor", task)))
+            return failed_reply(task, RemoteError(where=_where(work, "on a raydl actor", task)))
+
+
+def failed_reply(task: Task, error: RemoteError) -> Any:
+    """The reply carrying ``error`` in place of ``task``'s (as many objects as its reply)."""
+    if isinstance(task, MapRun):
+        return (error, *([None] * (1 if task.whole else task.partitions)))
+    if isinstance(task, DealRun):
+        return error, None
+    return error
+
+
+def _unpickling_failed(err: Exception) -> RemoteError:
+    """An actor's error when the epoch's work (its read and stages) did not unpickle."""
+    cause = unpickling_cause(err)
+    if isinstance(cause, ModuleNotFoundError):
+        return ImportFailure(
+            None,
+            cause,
+            who="a raydl actor",
+            what="the epoch's read and Ray Data stages (their functions and arguments)",
+            ship="ray.init(runtime_env=...) before the first raydl read or loader",
+        )
+    return RemoteError(where="on a raydl actor while unpickling the epoch's read and stages")
 
 
 def _where(work: EpochWork, place: str, task: Task) -> str:
@@ -452,7 +473,9 @@ def map_phase(
     assert exchange is not None
     parts = exchange.partitions
     partitions = Partitions.empty(parts)
-    runs = collections.deque(MapRun(index, run) for index, run in enumerate(plan.runs()))
+    runs = collections.deque(
+        MapRun(index, run, partitions=parts) for index, run in enumerate(plan.runs())
+    )
     while local is not None and runs and partitions.nbytes < here_bytes():
         between()  # before starting(), which may bind (connect, start the pool)
         if not actors.starting():

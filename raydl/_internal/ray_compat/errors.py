@@ -1,6 +1,7 @@
 """Unwrapping Ray's errors into the exception the user's code raised.
 
-Relies on ``RayTaskError.cause`` and on ``WorkerCrashedError``/``RayActorError``
+Relies on ``RayTaskError.cause``, on ``RaySystemError.client_exc`` (what failed
+while an object was unpickled) and on ``WorkerCrashedError``/``RayActorError``
 meaning "the process died" (checked by :func:`check`).
 """
 
@@ -47,10 +48,25 @@ def users_error(err: BaseException, stages: Sequence[str] = (), attempts: int = 
     return cause
 
 
+def unpickling_cause(err: BaseException) -> BaseException:
+    """What failed while ``ray.get`` unpickled an object (a ``ModuleNotFoundError``, say).
+
+    Ray raises such a failure as a ``RaySystemError`` whose ``client_exc`` is the
+    exception itself; anything else is returned as it is.
+    """
+    from ray.exceptions import RaySystemError
+
+    cause = getattr(err, "client_exc", None) if isinstance(err, RaySystemError) else None
+    return cause if isinstance(cause, BaseException) else err
+
+
 def check() -> None:
     """Fail if this Ray's task errors no longer carry their cause."""
-    from ray.exceptions import RayTaskError
+    from ray.exceptions import RaySystemError, RayTaskError
 
     wrapped = RayTaskError("f", "traceback", ValueError("x"))
     if not isinstance(getattr(wrapped, "cause", None), ValueError):
         raise AttributeError("ray.exceptions.RayTaskError no longer carries .cause")
+    missing = ModuleNotFoundError("No module named 'x'", name="x")
+    if unpickling_cause(RaySystemError(missing, "traceback")) is not missing:
+        raise AttributeError("ray.exceptions.RaySystemError no longer carries .client_exc")

@@ -154,11 +154,23 @@ class ImportFailure(InitError):
 
     Raised in the trainer as a ``ModuleNotFoundError`` that names the module, says
     that the Ray worker processes could not import it, where this process found it,
-    and how to make it importable there.
+    and how to make it importable there. ``who``: the worker ("Ray worker 3");
+    ``what``: what it was unpickling; ``ship``: where a ``runtime_env`` goes for it.
     """
 
-    def __init__(self, worker_id: int, error: ModuleNotFoundError) -> None:
-        super().__init__(where=f"in Ray worker {worker_id} while unpickling the dataset")
+    def __init__(
+        self,
+        worker_id: int | None,
+        error: ModuleNotFoundError,
+        *,
+        who: str = "",
+        what: str = "the dataset, worker_init_fn and collate_fn",
+        ship: str = "worker_options={'runtime_env': ...} or ray.init",
+    ) -> None:
+        self.who = who or f"Ray worker {worker_id}"
+        self.what = what
+        self.ship = ship
+        super().__init__(where=f"in {self.who} while unpickling {what}")
         self.worker_id = worker_id
         self.module = error.name or str(error)
         self.error = f"{type(error).__name__}: {error}"
@@ -169,14 +181,13 @@ class ImportFailure(InitError):
         here = f" (this process imports it from {found})" if found else ""
         path = found or "<its folder>"
         raise ModuleNotFoundError(
-            f"Ray worker {self.worker_id} could not import module {self.module!r} while "
-            f"unpickling the dataset, worker_init_fn and collate_fn ({self.error}): the "
-            f"loader's Ray worker processes import the modules of the classes and functions "
-            f"they unpickle, and {self.module!r} is importable in this process only{here}; "
-            "a folder put on sys.path at run time does not reach them. Install it as a "
-            f"package, or put its folder on PYTHONPATH before starting the script "
-            f"(PYTHONPATH={path}), or ship it with Ray's runtime_env={{'py_modules': [...]}} "
-            "or {'working_dir': ...} (worker_options={'runtime_env': ...} or ray.init)",
+            f"{self.who} could not import module {self.module!r} while unpickling "
+            f"{self.what} ({self.error}): the loader's Ray worker processes import the "
+            f"modules of the classes and functions they unpickle, and {self.module!r} is "
+            f"importable in this process only{here}; a folder put on sys.path at run time "
+            "does not reach them. Install it as a package, or put its folder on PYTHONPATH "
+            f"before starting the script (PYTHONPATH={path}), or ship it with Ray's "
+            f"runtime_env={{'py_modules': [...]}} or {{'working_dir': ...}} ({self.ship})",
             name=self.module,
         )
 
