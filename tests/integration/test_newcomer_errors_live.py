@@ -111,6 +111,13 @@ def test_a_stage_module_raydls_actors_cannot_import_is_named(
     loader = RayDataLoader(
         ds, batch_size=4, shuffle=True, shuffle_mode=shuffle_mode, start_in_process=False
     )
+    try:
+        _raises_naming_the_module(loader, name)
+    finally:
+        loader.close()
+
+
+def _raises_naming_the_module(loader: RayDataLoader, name: str) -> None:
     with pytest.raises(
         ModuleNotFoundError,
         match=rf"^a raydl actor could not import module '{name}' while unpickling the epoch's "
@@ -122,7 +129,6 @@ def test_a_stage_module_raydls_actors_cannot_import_is_named(
         list(loader)
     assert caught.value.name == name
     assert "part-0" not in str(caught.value)  # no list of the run's files
-    loader.close()
 
 
 @pytest.mark.timeout(120)

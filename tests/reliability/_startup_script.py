@@ -117,6 +117,17 @@ def read_epochs(record: dict, folder: str, count: int) -> None:
         record[f"epoch_{epoch}"] = True
 
 
+def _has_child(name: str) -> bool:
+    """Whether a process named ``name`` descends from this one (children may come and go)."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() == name:
+                return True
+        except psutil.Error:  # gone meanwhile
+            continue
+    return False
+
+
 def read_interrupted_in_an_import(record: dict, folder: str, caught: bool) -> None:
     """A raydl read, then a Ctrl-C as one that hits an import leaves CPython's import lock:
     held by this thread for good, so the start's ``ray.init`` waits forever at its next import.
@@ -127,7 +138,7 @@ def read_interrupted_in_an_import(record: dict, folder: str, caught: bool) -> No
 
     raydl.read_parquet(folder)
     began = time.monotonic()  # the start of Ray under way (its next import will wait), then:
-    while not any(p.name() == "gcs_server" for p in psutil.Process().children(recursive=True)):
+    while not _has_child("gcs_server"):
         assert time.monotonic() - began < 30, "Ray's start did not begin"
         time.sleep(0.02)
     _imp.acquire_lock()  # never released, as by an interrupt inside importlib's _get_module_lock
@@ -194,6 +205,8 @@ def gated_read(record: dict, folder: str) -> None:
     first = {mode: loader(mode) for mode in modes}
     held = {mode: epochs(first[mode], 2) for mode in modes}
     record["initialized_after_held_epochs"] = ray.is_initialized()
+    # The read's Ray Data context is made without Ray's state API (ray_compat.context).
+    record["state_api_imported_while_held"] = "ray.util.state" in sys.modules
     counted: list[int] = []
     counter = threading.Thread(target=lambda: counted.append(ds.count()), daemon=True)
     counter.start()

@@ -160,6 +160,7 @@ def test_a_read_plan_loads_its_first_epochs_here_while_ray_starts_and_ray_calls_
     assert seen["initialized_after_read"] is False
     assert seen["count_waited_for_the_start"] is True
     assert seen["initialized_after_held_epochs"] is False  # both epochs while Ray was held
+    assert seen["state_api_imported_while_held"] is False  # (0.9 s of the read, before)
     assert seen["count"] == [32] and seen["started_by_raydl"] is True
     for mode, here in [("files", "4 runs loaded"), ("global", "4 runs mapped")]:
         for epoch in seen[mode]["epochs"]:

@@ -89,6 +89,7 @@ ctx = context.get_current()
 import ray.data
 assert ray.data.DataContext.get_current() is ctx
 copied, unpickled = ctx.copy(), pickle.loads(pickle.dumps(ctx))
+assert copied == ctx and unpickled == ctx  # as Ray's own contexts compare
 odd = ray.data.DataContext(
     issue_detectors_config=context.IssueDetectorsOnUse(),
     hash_shuffle_aggregator_health_warning_interval_s=7,

@@ -167,11 +167,18 @@ def test_an_import_lock_this_thread_left_held_is_released_and_another_threads_is
     # Held twice by this thread, as an interrupt inside importlib leaves it (reentrant).
     _imp.acquire_lock()
     _imp.acquire_lock()
-    imported = threading.Event()
-    other = threading.Thread(target=lambda: (__import__("colorsys"), imported.set()))
-    other.start()  # its import waits for the lock
-    assert not imported.wait(0.2)
-    assert interrupt.release_import_lock_left_held() == 2
+    try:
+        imported = threading.Event()
+        other = threading.Thread(target=lambda: (__import__("colorsys"), imported.set()))
+        other.start()  # its import waits for the lock
+        assert not imported.wait(0.2)
+        assert interrupt.release_import_lock_left_held() == 2
+    finally:  # never leave this process's imports blocked
+        while _imp.lock_held():
+            try:
+                _imp.release_lock()
+            except RuntimeError:
+                break
     assert imported.wait(10) and not _imp.lock_held()
     other.join()
 

@@ -387,6 +387,7 @@ class RunLoader:
 def failed_reply(task: Task, error: RemoteError) -> Any:
     """The reply carrying ``error`` in place of ``task``'s (as many objects as its reply)."""
     if isinstance(task, MapRun):
+        assert task.whole or task.partitions > 0, "a map-phase request names its partitions"
         return (error, *([None] * (1 if task.whole else task.partitions)))
     if isinstance(task, DealRun):
         return error, None
@@ -404,7 +405,12 @@ def _unpickling_failed(err: Exception) -> RemoteError:
             what="the epoch's read and Ray Data stages (their functions and arguments)",
             ship="ray.init(runtime_env=...) before the first raydl read or loader",
         )
-    return RemoteError(where="on a raydl actor while unpickling the epoch's read and stages")
+    if cause is err:  # not an unpickling failure: the object could not be fetched
+        return RemoteError(where="on a raydl actor while fetching the epoch's read and stages")
+    return RemoteError(
+        where="on a raydl actor while unpickling the epoch's read and stages",
+        exc_info=(type(cause), cause, cause.__traceback__),
+    )
 
 
 def _where(work: EpochWork, place: str, task: Task) -> str:

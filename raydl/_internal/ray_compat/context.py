@@ -20,9 +20,14 @@ Relies on these private parts of Ray Data (checked by :func:`check`):
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 __all__ = ["IssueDetectorsOnUse", "check", "get_current"]
+
+#: Orders the builds of every stand-in and the writes they record (a lock cannot be
+#: copied or pickled with one).
+_build_lock = threading.RLock()
 
 
 def get_current() -> Any:
@@ -43,14 +48,18 @@ def get_current() -> Any:
 
 
 class IssueDetectorsOnUse:
-    """Ray Data's ``IssueDetectorsConfiguration``, built when something first reads it.
+    """Ray Data's ``IssueDetectorsConfiguration``, built when something first uses it.
 
-    Reading or writing any field builds it (importing Ray's state API then) and
-    forwards to it. The one access before that, ``DataContext.__post_init__``
-    writing fields of ``hash_shuffle_detector_config``, is recorded and applied to the
-    configuration when it is built. Copies (``DataContext.copy``) and pickles (the
-    context travels to Ray's workers with a plan) carry what was recorded.
+    Reading or writing any of its fields builds it (importing Ray's state API then)
+    and forwards to it, as do comparing it and printing it built. One field is
+    different: ``hash_shuffle_detector_config`` is handed out as a recorder until
+    then, whose fields' writes (``DataContext.__post_init__`` writes two) are kept
+    and applied to the configuration when it is built, and whose reads build it.
+    Copies (``DataContext.copy``) and pickles (the context travels to Ray's workers
+    with a plan) carry what was recorded.
     """
+
+    __hash__ = None  # type: ignore[assignment]  # as the dataclass it stands for
 
     def __init__(self) -> None:
         self._real: Any = None
@@ -58,20 +67,21 @@ class IssueDetectorsOnUse:
 
     def resolve(self) -> Any:
         """The real configuration: built now if it was not yet."""
-        if self._real is None:
-            from ray.data._internal.issue_detection.issue_detector_configuration import (
-                IssueDetectorsConfiguration,
-            )
+        with _build_lock:
+            if self._real is None:
+                from ray.data._internal.issue_detection.issue_detector_configuration import (
+                    IssueDetectorsConfiguration,
+                )
 
-            real = IssueDetectorsConfiguration()
-            for name, value in self._hash_shuffle._written.items():
-                setattr(real.hash_shuffle_detector_config, name, value)
-            self._real = real
-        return self._real
+                real = IssueDetectorsConfiguration()
+                for name, value in self._hash_shuffle._written.items():
+                    setattr(real.hash_shuffle_detector_config, name, value)
+                self._real = real
+            return self._real
 
     @property
     def hash_shuffle_detector_config(self) -> Any:
-        """Writes are recorded until the configuration is built; reads build it."""
+        """The recorder until the configuration is built (see the class), then its own."""
         if self._real is None:
             return self._hash_shuffle
         return self._real.hash_shuffle_detector_config
@@ -88,6 +98,13 @@ class IssueDetectorsOnUse:
             object.__setattr__(self, name, value)
         else:
             setattr(self.resolve(), name, value)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IssueDetectorsOnUse):
+            if self._real is None and other._real is None:
+                return self._hash_shuffle._written == other._hash_shuffle._written
+            other = other.resolve()
+        return bool(self.resolve() == other)
 
     def __repr__(self) -> str:
         if self._real is None:
@@ -118,10 +135,11 @@ class _RecordedWrites:
         return getattr(self._resolved(), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self._owner._real is None:
-            self._written[name] = value
-        else:
-            setattr(self._resolved(), name, value)
+        with _build_lock:
+            if self._owner._real is None:
+                self._written[name] = value
+                return
+        setattr(self._resolved(), name, value)
 
     def __eq__(self, other: object) -> bool:
         return bool(

@@ -135,9 +135,10 @@ def parquet_reader_v1() -> Iterator[None]:
 
     Sets ``DataContext.use_datasource_v2`` of the current context meanwhile.
     """
-    import ray.data
 
-    context = ray.data.DataContext.get_current()
+    from raydl._internal.ray_compat import context as data_context
+
+    context = data_context.get_current()
     saved = context.use_datasource_v2
     context.use_datasource_v2 = False
     try:
@@ -193,9 +194,6 @@ def read_datasource(datasource: Any, *, cpus: int, **options: Any) -> Any:
     import ray
     import ray.data
 
-    from raydl._internal.ray_compat import context as data_context
-
-    data_context.get_current()  # created here, if first, without Ray's state API
     if ray.is_initialized():
         return ray.data.read_datasource(datasource, **options)
     return plan_read(datasource, cpus=cpus, **options)
@@ -227,7 +225,6 @@ def plan_read(datasource: Any, *, cpus: int, **options: Any) -> Any:
     from ray.data._internal.logical.operators.read_operator import Read
     from ray.data._internal.stats import DatasetStats
     from ray.data._internal.util import _autodetect_parallelism, get_compute_strategy_for_read_api
-    from ray.data.context import DataContext
     from ray.data.dataset import Dataset
     from ray.util.placement_group import PlacementGroup
 
@@ -269,7 +266,7 @@ def plan_read(datasource: Any, *, cpus: int, **options: Any) -> Any:
         ray_remote_args=remote_args,
         compute=get_compute_strategy_for_read_api(compute, concurrency),
     )
-    context = DataContext.get_current().copy()
+    context = ctx.copy()
     return Dataset(LogicalPlan(read_op, context), context, stats)
 
 

@@ -116,6 +116,9 @@ def ensure_ray_for_reads() -> None:
     says so). An embedded instance started for reads by one process preloads Ray Data
     in its workers (:data:`RAY_DATA_WORKERS`).
     """
+    from raydl._internal.ray_compat import context as data_context
+
+    data_context.get_current()  # made first here, without Ray's state API (ray_compat.context)
     world = World.detect()
     if world.is_distributed and starts_without_collectives(None, world):
         ensure_ray(world=world)
@@ -140,6 +143,9 @@ def begin_ray_for_reads() -> bool:
     :func:`ensure_ray_for_reads` and returns ``False``.
     """
     global _reads_start
+    from raydl._internal.ray_compat import context as data_context
+
+    data_context.get_current()  # made first here, without Ray's state API (ray_compat.context)
     waits = is_connected() or env.ray_address() or not env.background_start_default()
     if waits or World.detect().is_distributed:
         ensure_ray_for_reads()

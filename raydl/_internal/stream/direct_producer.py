@@ -90,7 +90,7 @@ class DirectProducer(PoolProducer):
         started = f", {here} runs loaded in the training process while they started" if here else ""
         bound = self._actors.bound
         actors = "no" if bound is None else str(len(bound.pool))
-        return f"{self._description.format(actors=actors)}: {self.blocks} blocks{started}"
+        return f"{self._description.replace('{actors}', actors)}: {self.blocks} blocks{started}"
 
     def _loop(self) -> None:
         for batch in skip_consumed(self._cut(self._blocks()), self._skip):

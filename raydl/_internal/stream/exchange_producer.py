@@ -159,7 +159,7 @@ class ExchangeProducer(Producer):
 
     def summary(self) -> str | None:
         waited = "" if self.map_s is None else f", map phase {self.map_s:.2f} s{self._mapped}"
-        description = self._description.format(actors=self._actors)
+        description = self._description.replace("{actors}", self._actors)
         return f"{description}: {self.partitions} partitions reduced{waited}"
 
     @staticmethod

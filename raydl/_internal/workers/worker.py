@@ -167,6 +167,7 @@ class ImportFailure(InitError):
         what: str = "the dataset, worker_init_fn and collate_fn",
         ship: str = "worker_options={'runtime_env': ...} or ray.init",
     ) -> None:
+        assert who or worker_id is not None, "name the worker: its id or who"
         self.who = who or f"Ray worker {worker_id}"
         self.what = what
         self.ship = ship
