@@ -143,14 +143,14 @@ def begin_ray_for_reads() -> bool:
     :func:`ensure_ray_for_reads` and returns ``False``.
     """
     global _reads_start
-    from raydl._internal.ray_compat import context as data_context
-
-    data_context.get_current()  # made first here, without Ray's state API (ray_compat.context)
     waits = is_connected() or env.ray_address() or not env.background_start_default()
     if waits or World.detect().is_distributed:
         ensure_ray_for_reads()
         return False
     from raydl._internal.ray_compat import cluster as ray_core
+    from raydl._internal.ray_compat import context as data_context
+
+    data_context.get_current()  # made first here, without Ray's state API (ray_compat.context)
 
     with _lock:
         if is_connected():
