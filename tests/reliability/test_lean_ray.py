@@ -6,8 +6,8 @@ autoscaler's ``monitor.py`` and the dashboard's head (``dashboard.py``) are not
 among them, and come back with ``RAYDL_LEAN_RAY=0``; a loader works on the lean
 instance (docs/design.md, "The cold path", Lean). A loader of a torch ``Dataset``
 never imports Ray Data into the training process (about 57 MB). Under torchrun's
-variables, the loader's actors run in the workers Ray prestarted while it started
-(none is left idle), and see those variables blanked: they are no rank; ``raydl.init(object_store_memory=...)`` sizes
+variables, the loader's actors leave no Ray worker idle (Ray prestarts none while it
+starts: its driver would wait for them holding the GIL), and see those variables blanked: they are no rank; ``raydl.init(object_store_memory=...)`` sizes
 the instance's object store. An
 instance that a read starts has its workers import Ray Data as they start (its
 actors would import it anyway); one that ``raydl.init()`` starts does not.
@@ -27,12 +27,14 @@ import pytest
 SCRIPT = """
 import json, sys, psutil, torch, raydl
 raydl.init()
+aiohttp = "aiohttp" in sys.modules  # Ray's dashboard check imports it, raydl's does not
 loader = raydl.RayDataLoader(torch.utils.data.TensorDataset(torch.arange(40)), batch_size=8,
                              num_workers=1, background_start=False)
 rows = sorted(int(x) for (batch,) in loader for x in batch)
 programs = sorted({arg.rsplit('/', 1)[-1] for p in psutil.Process().children(recursive=True)
                    for arg in p.cmdline()[:3] if arg.endswith('.py')})
-print(json.dumps({"rows": rows, "programs": programs, "ray_data": "ray.data" in sys.modules}))
+print(json.dumps({"rows": rows, "programs": programs, "ray_data": "ray.data" in sys.modules,
+                  "aiohttp": aiohttp}))
 """
 
 
@@ -47,7 +49,9 @@ class Probe(torch.utils.data.Dataset):
         return i, os.environ.get("RANK", "unset")
 
 import ray
-raydl.init(num_cpus=2, object_store_memory=200 << 20)  # Ray prestarts one worker per CPU
+raydl.init(num_cpus=2, object_store_memory=200 << 20)
+# With Ray's default, ray.init returns once one prestarted worker per CPU registered.
+at_init = [p.name() for p in psutil.Process().children(recursive=True)]
 store = ray.cluster_resources()["object_store_memory"]
 loader = raydl.RayDataLoader(Probe(), batch_size=8, num_workers=2, background_start=False,
                              start_in_process=False)  # every batch from the actors' environment
@@ -57,7 +61,7 @@ for ids, seen in loader:
     ranks |= set(seen)
 titles = [p.name() for p in psutil.Process().children(recursive=True)]
 print(json.dumps({"rows": sorted(rows), "ranks": sorted(ranks), "titles": sorted(titles),
-                  "store": store}))
+                  "store": store, "at_init": sorted(at_init)}))
 """
 
 PRELOAD = """
@@ -119,18 +123,20 @@ def test_the_embedded_instance_runs_no_monitor_and_no_dashboard_head() -> None:
     assert "monitor.py" not in lean["programs"]
     assert "dashboard.py" not in lean["programs"]
     assert lean["ray_data"] is False
+    assert lean["aiohttp"] is False and full["aiohttp"] is False
     assert full["rows"] == list(range(40))
     assert {"monitor.py", "dashboard.py"} <= set(full["programs"])
 
 
 @pytest.mark.timeout(360)
-def test_under_torchrun_the_actors_take_the_prestarted_workers_and_are_no_rank() -> None:
+def test_ray_starts_no_worker_before_the_actors_and_under_torchrun_they_are_no_rank() -> None:
     plain, ranked = _programs({}, TORCHRUN, script=PROBE)
     for seen in (plain, ranked):
         assert seen["rows"] == list(range(40))
+        # ray.init waited for no prestarted worker (their start holds the trainer's GIL).
+        assert not {"ray::IDLE", "default_worker.py"} & set(seen["at_init"]), seen["at_init"]
         assert seen["titles"].count("ray::DatasetWorker") == 2, seen["titles"]
-        # Ray prestarted 2 workers (one per CPU); both became the loader's actors.
-        assert "ray::IDLE" not in seen["titles"], seen["titles"]
+        assert "ray::IDLE" not in seen["titles"], seen["titles"]  # no worker left idle
         assert seen["store"] == 200 << 20  # raydl.init(object_store_memory=...) sized it
     assert plain["ranks"] == ["unset"]
     assert ranked["ranks"] == [""]  # blanked: torch.distributed in a worker finds no rank

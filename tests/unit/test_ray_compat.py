@@ -124,3 +124,51 @@ def test_a_context_that_exists_already_is_left_as_it_is() -> None:
         "assert type(ctx.issue_detectors_config) is not context.IssueDetectorsOnUse\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+_DEPENDENCY_CHECK = """
+import os, sys, tempfile
+from ray._private import utils
+from raydl._internal.ray_compat import cluster
+rays_own = utils.get_dashboard_dependency_error
+with cluster.dependency_check_by_spec():
+    answer = utils.get_dashboard_dependency_error()
+assert utils.get_dashboard_dependency_error is rays_own  # put back
+assert 'aiohttp' not in sys.modules, 'the check imported aiohttp'
+if answer is not None:  # a package Ray's dashboard imports is not installed
+    assert isinstance(answer, ModuleNotFoundError) and answer.name, answer
+    assert answer.name in cluster._imported_packages(cluster._optional_deps_path())
+print(answer is None, rays_own() is None)  # Ray's own answer, by importing
+# Every package the file imports is installed: the check imports, as Ray's does.
+present = os.path.join(tempfile.mkdtemp(), 'deps.py')
+with open(present, 'w') as f:
+    f.write('import json\\nfrom os import path\\nfrom . import sibling\\n')
+assert cluster._imported_packages(present) == ['json', 'os']
+cluster._optional_deps_path = lambda: present
+with cluster.dependency_check_by_spec():
+    assert type(utils.get_dashboard_dependency_error()) is type(rays_own())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_rays_dashboard_check_answers_as_rays_own_without_importing_aiohttp() -> None:
+    # Ray's own check imports aiohttp's web server: 0.25-0.6 s holding the GIL, in the
+    # training process, whenever raydl starts Ray.
+    out = subprocess.run(
+        [sys.executable, "-c", _DEPENDENCY_CHECK],
+        check=True,
+        timeout=50,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert out[0] == out[1], out  # installed or not, the same answer
+
+
+def test_a_new_instances_system_config_waits_for_no_prestarted_worker() -> None:
+    from raydl._internal.ray_compat import cluster
+
+    assert cluster.system_config([]) == {"_system_config": {"prestart_worker_first_driver": False}}
+    assert cluster.system_config(["ray.data"])["_system_config"] == {
+        "prestart_worker_first_driver": False,
+        "preload_python_modules": ["ray.data"],
+    }

@@ -12,9 +12,14 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
   (:func:`raylet_env`);
 * ``ray._private.worker.global_worker.mode`` and ``WORKER_MODE``: whether this
   process is one of Ray's workers (:func:`in_worker`);
-* the system config ``preload_python_modules`` (``ray.init(_system_config=...)``),
-  which the raylet passes to every worker process it starts as
-  ``--worker-preload-modules`` (:func:`preloading`);
+* the system configs ``preload_python_modules``, which the raylet passes to every
+  worker process it starts as ``--worker-preload-modules``, and
+  ``prestart_worker_first_driver`` (``ray.init(_system_config=...)``;
+  :func:`system_config`);
+* ``ray._private.utils.get_dashboard_dependency_error`` and the module
+  ``ray.dashboard.optional_deps`` it imports (:func:`dependency_check_by_spec`);
+* ``ray._private.worker.global_worker.get_serialization_context``
+  (:func:`make_serialization_context`);
 * the module ``ray.data._internal.progress``, whose logger announces that progress
   bars are off;
 * Ray's driver-side modules that draw from Python's global ``random`` (ports, ids,
@@ -28,10 +33,12 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import importlib.util
 import inspect
+import os
 import random
 import sys
 import threading
@@ -42,14 +49,16 @@ from typing import Any
 __all__ = [
     "PROGRESS_LOGGER",
     "check",
+    "dependency_check_by_spec",
     "hold_auto_init",
     "in_worker",
     "lean_head",
     "local_cpus",
-    "preloading",
+    "make_serialization_context",
     "private_random",
     "raylet_env",
     "reload_config",
+    "system_config",
 ]
 
 _patching = threading.RLock()  # one patch of Ray at a time (they nest)
@@ -165,27 +174,114 @@ def raylet_env(updates: dict[str, str]) -> Iterator[None]:
             services.start_raylet = start
 
 
-def preloading(modules: Sequence[str]) -> dict[str, Any]:
-    """``ray.init`` arguments that make each worker process of a new instance import ``modules``.
+def system_config(preload: Sequence[str]) -> dict[str, Any]:
+    """``ray.init`` arguments for a new instance: no wait for prestarted workers, ``preload``.
 
-    A worker imports them right after it registers with its raylet and before it
-    takes its first task, so the workers the raylet prestarts while Ray starts (one
-    per CPU) import them while the driver goes on (listing files, building its
-    loader), and an actor placed on one of them finds them imported. A module that
-    fails to import is logged by the worker and skipped. Every later worker of the
-    instance imports them too.
+    * ``prestart_worker_first_driver`` off. With it on (Ray's default), the raylet
+      starts one worker process per CPU when the first driver registers and answers
+      that driver only once they have registered: about a second of Python start-ups
+      during which the driver's ``ray.init`` waits inside Ray's core worker *holding
+      the GIL*, so every thread of the training process stops (the runs an epoch
+      loads in the trainer while Ray starts, the training loop). Without it, the
+      workers start when the first actors are created, a moment after ``ray.init``
+      returns, while the trainer goes on.
+    * ``preload_python_modules``: each worker process imports ``preload`` right after
+      it registers with its raylet and before it takes its first task, so the
+      actors' workers import them while the driver goes on (listing files, building
+      its loader). A module that fails to import is logged by the worker and
+      skipped. Every later worker of the instance imports them too.
 
-    Relies on Ray's system config ``preload_python_modules`` (``ray.init``'s
-    ``_system_config``), which the raylet passes to its workers as
+    Relies on Ray's system configs of those names (``ray.init``'s ``_system_config``);
+    the raylet passes ``preload_python_modules`` to its workers as
     ``--worker-preload-modules``.
 
     Example:
-        >>> preloading(["ray.data"])
-        {'_system_config': {'preload_python_modules': ['ray.data']}}
-        >>> preloading([])
-        {}
+        >>> system_config(["ray.data"])
+        {'_system_config': {'prestart_worker_first_driver': False, 'preload_python_modules': ['ray.data']}}
+        >>> system_config([])
+        {'_system_config': {'prestart_worker_first_driver': False}}
     """
-    return {"_system_config": {"preload_python_modules": list(modules)}} if modules else {}
+    config: dict[str, Any] = {"prestart_worker_first_driver": False}
+    if preload:
+        config["preload_python_modules"] = list(preload)
+    return {"_system_config": config}
+
+
+@contextlib.contextmanager
+def dependency_check_by_spec() -> Iterator[None]:
+    """While in it, Ray's check for its dashboard's packages imports none when one is missing.
+
+    A raylet's start asks ``get_dashboard_dependency_error()`` whether Ray was
+    installed with its dashboard (``ray[default]``), by importing
+    ``ray.dashboard.optional_deps``: aiohttp and its web server first, whose import
+    parses the system's MIME type tables, then ``aiohttp_cors``, absent without
+    ``ray[default]``. Measured here: 0.25 s on an idle machine, 0.6 s while the
+    trainer loads runs, all of it holding the GIL, and aiohttp left in the
+    process. While in it, the check first looks up each top-level package that
+    module imports (read from its source, without running it) and answers as the
+    import would, with a ``ModuleNotFoundError``, when one is not installed; when
+    all are, it imports as Ray does.
+
+    Relies on ``ray._private.utils.get_dashboard_dependency_error`` and the module
+    ``ray.dashboard.optional_deps``.
+    """
+    from ray._private import utils
+
+    check = utils.get_dashboard_dependency_error
+
+    def by_spec() -> ImportError | None:
+        for name in _imported_packages(_optional_deps_path()):
+            if importlib.util.find_spec(name) is None:
+                return ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return check()
+
+    with _patching:
+        utils.get_dashboard_dependency_error = by_spec
+        try:
+            yield
+        finally:
+            utils.get_dashboard_dependency_error = check
+
+
+def _optional_deps_path() -> str:
+    """The source file of ``ray.dashboard.optional_deps`` (found without importing it)."""
+    import ray
+
+    return os.path.join(os.path.dirname(ray.__file__), "dashboard", "optional_deps.py")
+
+
+def _imported_packages(path: str) -> list[str]:
+    """The top-level packages the Python file ``path`` imports (absolute imports), in order.
+
+    Reads the file without running it; an empty list when it is not there.
+    """
+    try:
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+    except OSError:
+        return []
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name.partition(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module.partition(".")[0])
+    return list(dict.fromkeys(names))
+
+
+def make_serialization_context() -> None:
+    """Make this driver's serialization context now, on the calling thread.
+
+    Ray makes it at the first ``ray.put`` / ``ray.get`` / remote call; making it
+    imports pydantic's v1 models to register their serializers (0.2-0.5 s here,
+    holding the GIL). Made by the thread that starts Ray, an epoch's thread does
+    not stop loading runs for it when it first uses Ray.
+
+    Relies on ``ray._private.worker.global_worker.get_serialization_context``.
+    """
+    from ray._private import worker
+
+    worker.global_worker.get_serialization_context()
 
 
 #: Ray's modules that draw from Python's global ``random`` in a driver: a port
@@ -266,3 +362,9 @@ def check() -> None:
         raise AttributeError("ray._private.auto_init_hook has no auto_init_lock")
     if not callable(getattr(utils, "get_num_cpus", None)):
         raise AttributeError("ray._private.utils has no get_num_cpus()")
+    if not callable(getattr(utils, "get_dashboard_dependency_error", None)):
+        raise AttributeError("ray._private.utils has no get_dashboard_dependency_error()")
+    if not _imported_packages(_optional_deps_path()):
+        raise FileNotFoundError(f"{_optional_deps_path()} is missing or imports nothing")
+    if not callable(getattr(worker.global_worker, "get_serialization_context", None)):
+        raise AttributeError("ray._private.worker.global_worker has no get_serialization_context()")

@@ -14,7 +14,7 @@ script makes its own collectives (:mod:`raydl._internal.runtime.startup`). Ranks
 launched without torchrun's agent store fall back to a broadcast over the process
 group, on the trainer's thread at ``iter()``. Ray's worker processes see
 torchrun's variables as empty (the raylet's environment, which they inherit: a
-job ``runtime_env`` would leave Ray's prestarted workers unused), so they do not
+job ``runtime_env`` would make Ray start a fresh process per actor), so they do not
 believe they are rank 0; ``os.environ`` of the training process is never changed,
 as another thread of the script may read it meanwhile. Joiners give up on a
 vanished rank-0 cluster after a few seconds instead of Ray's 60.
@@ -87,7 +87,7 @@ def ensure_ray(
             docstring), else it broadcasts over the process group.
         preload: Modules every worker process of an embedded instance started now
             imports as it starts (:data:`RAY_DATA_WORKERS` for Ray Data work), so
-            the prestarted workers import them while the script goes on. Ignored
+            the actors' workers import them before their first call. Ignored
             when joining a cluster, when Ray is already up, and for the cluster
             that rank 0 starts for several ranks.
     """
@@ -298,6 +298,7 @@ def _ensure_ray(
                 )
             )
             _started_by_raydl = True
+        ray_core.make_serialization_context()  # here, not on the first epoch's thread
         if "ray.data" in sys.modules:  # else a Ray Data source quiets it (epochs/ray_source.py)
             quiet_ray_data()
 
@@ -315,9 +316,10 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
 
     with contextlib.ExitStack() as patches:
         patches.enter_context(ray_core.raylet_env(_blanked_torchrun_vars()))
+        patches.enter_context(ray_core.dependency_check_by_spec())
         if env.lean_ray():
             patches.enter_context(ray_core.lean_head())
-        return ray.init(**kwargs, **ray_core.preloading(preload))
+        return ray.init(**kwargs, **ray_core.system_config(preload))
 
 
 def _on_a_lasting_thread(start: Callable[[], Any]) -> None:
