@@ -134,19 +134,27 @@ rays_own = utils.get_dashboard_dependency_error
 with cluster.dependency_check_by_spec():
     answer = utils.get_dashboard_dependency_error()
 assert utils.get_dashboard_dependency_error is rays_own  # put back
-assert 'aiohttp' not in sys.modules, 'the check imported aiohttp'
 if answer is not None:  # a package Ray's dashboard imports is not installed
+    assert 'aiohttp' not in sys.modules, 'the check imported aiohttp'
     assert isinstance(answer, ModuleNotFoundError) and answer.name, answer
     assert answer.name in cluster._imported_packages(cluster._optional_deps_path())
 print(answer is None, rays_own() is None)  # Ray's own answer, by importing
-# Every package the file imports is installed: the check imports, as Ray's does.
+# Every package the file imports is installed, or the look-up fails: Ray's check decides.
 present = os.path.join(tempfile.mkdtemp(), 'deps.py')
 with open(present, 'w') as f:
-    f.write('import json\\nfrom os import path\\nfrom . import sibling\\n')
+    f.write('import json\\nfrom os import path\\nfrom . import sibling\\n'
+            'try:\\n    import not_installed_at_all\\nexcept ImportError:\\n    pass\\n')
 assert cluster._imported_packages(present) == ['json', 'os']
+decided = ModuleNotFoundError('by Ray')
+utils.get_dashboard_dependency_error = lambda: decided
 cluster._optional_deps_path = lambda: present
 with cluster.dependency_check_by_spec():
-    assert type(utils.get_dashboard_dependency_error()) is type(rays_own())
+    assert utils.get_dashboard_dependency_error() is decided
+sys.modules['stub_without_spec'] = type(sys)('stub_without_spec')  # find_spec raises for it
+with open(present, 'a') as f:
+    f.write('import stub_without_spec\\n')
+with cluster.dependency_check_by_spec():
+    assert utils.get_dashboard_dependency_error() is decided
 """
 
 

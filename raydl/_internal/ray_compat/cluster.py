@@ -149,11 +149,11 @@ def lean_head() -> Iterator[None]:
 def raylet_env(updates: dict[str, str]) -> Iterator[None]:
     """While in it, a raylet started in this process runs with ``updates`` in its environment.
 
-    Every worker process the raylet starts inherits them, the workers it prestarts
-    while Ray starts included. A job's ``runtime_env`` would give the workers the
-    same variables, but Ray then starts new processes for them and leaves the
-    prestarted ones idle (measured: two idle processes, and every actor a fresh
-    start, under torchrun). ``ray.init`` has no argument for it
+    Every worker process the raylet starts inherits them. A job's ``runtime_env``
+    would give the workers the same variables, but Ray then starts a new process for
+    each actor instead of reusing the instance's workers (measured before session 23,
+    when Ray still prestarted workers: two idle processes under torchrun, every actor
+    a fresh start). ``ray.init`` has no argument for it
     (``RayParams.env_vars`` is not one of its arguments), so
     ``ray._private.services.start_raylet`` is wrapped for the duration; this
     process's own ``os.environ`` is not changed.
@@ -186,10 +186,10 @@ def system_config(preload: Sequence[str]) -> dict[str, Any]:
       workers start when the first actors are created, a moment after ``ray.init``
       returns, while the trainer goes on.
     * ``preload_python_modules``: each worker process imports ``preload`` right after
-      it registers with its raylet and before it takes its first task, so the
-      actors' workers import them while the driver goes on (listing files, building
-      its loader). A module that fails to import is logged by the worker and
-      skipped. Every later worker of the instance imports them too.
+      it registers with its raylet and before it takes its first task: an actor's
+      worker imports them as it starts, before the actor's first call arrives. A
+      module that fails to import is logged by the worker and skipped. Every later
+      worker of the instance imports them too.
 
     Relies on Ray's system configs of those names (``ray.init``'s ``_system_config``);
     the raylet passes ``preload_python_modules`` to its workers as
@@ -216,11 +216,12 @@ def dependency_check_by_spec() -> Iterator[None]:
     ``ray.dashboard.optional_deps``: aiohttp and its web server first, whose import
     parses the system's MIME type tables, then ``aiohttp_cors``, absent without
     ``ray[default]``. Measured here: 0.25 s on an idle machine, 0.6 s while the
-    trainer loads runs, all of it holding the GIL, and aiohttp left in the
-    process. While in it, the check first looks up each top-level package that
-    module imports (read from its source, without running it) and answers as the
-    import would, with a ``ModuleNotFoundError``, when one is not installed; when
-    all are, it imports as Ray does.
+    trainer loads runs, all of it Python competing with the trainer's threads for
+    the GIL, and aiohttp left in the process. While in it, the check first looks up
+    each top-level package that module imports (read from its source, without
+    running it) and answers as the import would, with a ``ModuleNotFoundError``,
+    when one is not installed; when all are installed, or the look-up fails in any
+    way, it imports as Ray does.
 
     Relies on ``ray._private.utils.get_dashboard_dependency_error`` and the module
     ``ray.dashboard.optional_deps``.
@@ -230,9 +231,19 @@ def dependency_check_by_spec() -> Iterator[None]:
     check = utils.get_dashboard_dependency_error
 
     def by_spec() -> ImportError | None:
-        for name in _imported_packages(_optional_deps_path()):
-            if importlib.util.find_spec(name) is None:
-                return ModuleNotFoundError(f"No module named {name!r}", name=name)
+        try:
+            missing = next(
+                (
+                    name
+                    for name in _imported_packages(_optional_deps_path())
+                    if importlib.util.find_spec(name) is None
+                ),
+                None,
+            )
+        except Exception:  # a module in sys.modules without __spec__, an odd source file
+            missing = None
+        if missing is not None:
+            return ModuleNotFoundError(f"No module named {missing!r}", name=missing)
         return check()
 
     with _patching:
@@ -253,7 +264,9 @@ def _optional_deps_path() -> str:
 def _imported_packages(path: str) -> list[str]:
     """The top-level packages the Python file ``path`` imports (absolute imports), in order.
 
-    Reads the file without running it; an empty list when it is not there.
+    Reads the file without running it; only its module-level statements count (an
+    import inside a ``try`` or a function may be optional). An empty list when the
+    file is not there.
     """
     try:
         with open(path, encoding="utf-8") as source:
@@ -261,7 +274,7 @@ def _imported_packages(path: str) -> list[str]:
     except OSError:
         return []
     names: list[str] = []
-    for node in ast.walk(tree):
+    for node in tree.body:
         if isinstance(node, ast.Import):
             names += [alias.name.partition(".")[0] for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -281,7 +294,8 @@ def make_serialization_context() -> None:
     """
     from ray._private import worker
 
-    worker.global_worker.get_serialization_context()
+    if worker.global_worker.connected:  # not a Ray Client (ray://) connection
+        worker.global_worker.get_serialization_context()
 
 
 #: Ray's modules that draw from Python's global ``random`` in a driver: a port
