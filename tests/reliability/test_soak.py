@@ -13,6 +13,7 @@ import gc
 import itertools
 import os
 import statistics
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -304,3 +305,32 @@ def test_fifty_early_breaks_of_a_direct_loader_leak_nothing(
     assert ids == list(range(400))
     loader.close()
     assert wait_until(lambda: live_actors() == []), live_actors()
+
+
+def slow_double(batch: dict) -> dict:  # type: ignore[type-arg]
+    time.sleep(0.2)  # tasks are still running when the loop breaks
+    return double(batch)
+
+
+@pytest.mark.timeout(120)
+def test_an_early_break_lets_ray_data_tasks_end_instead_of_cancelling_them(
+    leak_cleanup: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ray 2.60 ends the driver process ("Tried to complete task that was not pending")
+    # when a ray.cancel meets the task's completion; Ray Data cancels at every break.
+    cancelled: list[object] = []
+    cancel = ray.cancel
+    monkeypatch.setattr(
+        ray, "cancel", lambda ref, **kw: (cancelled.append(ref), cancel(ref, **kw))[1]
+    )
+    total = ray.cluster_resources()["CPU"]
+    loader = RayDataLoader(
+        ray.data.range(4_000, override_num_blocks=20).map_batches(slow_double, batch_size=100),
+        batch_size=16,
+    )
+    _break_early(loader, 2)
+    assert cancelled == []
+    assert wait_until(lambda: free_cpus() == total, timeout=30), free_cpus()  # they ended
+    rows = sorted(int(x) for batch in loader for x in batch["id"])  # and the loader goes on
+    assert rows == list(range(4_000))
+    loader.close()

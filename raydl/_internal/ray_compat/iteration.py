@@ -3,13 +3,17 @@
 Relies on these private parts of Ray Data's ``DataIterator`` (checked by
 :func:`check`): ``_to_ref_bundle_iterator`` (returns the block bundles, the stats
 and, for a ``Dataset``, the ``StreamingExecutor`` thread), ``_create_batch_iterator``
-(its result's ``_prefetcher``) and the executor's ``_resource_manager`` with its
-``GLOBAL_LIMITS_UPDATE_INTERVAL_S``.
+(its result's ``_prefetcher``), the executor's ``_resource_manager`` with its
+``GLOBAL_LIMITS_UPDATE_INTERVAL_S`` and its ``_topology`` (the operators), and the
+operators' ``_cancel_active_tasks`` and their running tasks, ``_data_tasks`` and
+``_metadata_tasks`` (:func:`no_cancel_at_shutdown`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 import time
 from collections.abc import Iterator
@@ -55,6 +59,7 @@ class RayIteration:
             parts = result if isinstance(result, tuple) else ()
             self._executor = next((p for p in parts if isinstance(p, threading.Thread)), None)
             _refresh_limits_promptly(self._executor)
+            no_cancel_at_shutdown(self._executor)
             return result
 
         def batch_iterator(*args: Any, **kwargs: Any) -> Any:
@@ -126,10 +131,13 @@ class RayIteration:
 
         Its running tasks are cancelled (``force``: their processes are killed) and
         its output ends, so a producer stuck waiting for the next block returns.
+        Only here are they cancelled (see :func:`no_cancel_at_shutdown`): they are
+        stalled, not about to finish.
         """
         executor = self._executor
         if executor is not None:
             with contextlib.suppress(Exception):  # already shut down, or Ray is gone
+                _cancel_at_shutdown(executor)
                 executor.shutdown(force=True)
         self.stop_prefetchers()
 
@@ -150,6 +158,50 @@ def _refresh_limits_promptly(executor: Any) -> None:
         manager.GLOBAL_LIMITS_UPDATE_INTERVAL_S = LIMITS_REFRESH_S
 
 
+def no_cancel_at_shutdown(executor: Any) -> None:
+    """Make ``executor``'s shutdown let its running tasks end instead of cancelling them.
+
+    Ray Data shuts an execution down when its iteration ends early (a ``break``, an
+    epoch closed before its end: ``DataIterator._on_iteration_end``), and its
+    operators then ``ray.cancel`` their running tasks. Ray 2.60's core worker has a
+    race there that ends the whole training process: a cancel that comes while the
+    task's completion reply is being handled (``NormalTaskSubmitter``'s reply callback
+    has taken the task out of ``executing_tasks_`` and not yet completed it) fails
+    the task as cancelled, and the completion that follows trips
+    ``Check failed: it != submissible_tasks_.end() Tried to complete task that was
+    not pending`` in ``task_manager.cc``; the driver exits with status 1. Seen in
+    this project's test suite about once in ten runs (early breaks of Ray Data
+    loaders). So the operators of raydl's executions drop their running tasks
+    instead: a task-pool map task finishes on its own (a map task waiting on its
+    output's backpressure is let go once its generator is dropped), an actor pool's
+    tasks end with its actors, which the operator kills as before.
+    :meth:`RayIteration.abort` (a stalled stage) still cancels.
+
+    Operators without ``_data_tasks`` and ``_metadata_tasks`` (shuffles) keep
+    Ray Data's cancel.
+    """
+    for op in getattr(executor, "_topology", None) or ():
+        if all(isinstance(getattr(op, name, None), dict) for name in _RUNNING_TASKS):
+            op._cancel_active_tasks = functools.partial(_drop_running_tasks, op)
+
+
+#: A map operator's running tasks (index -> task), which hold the tasks' generators.
+_RUNNING_TASKS = ("_data_tasks", "_metadata_tasks")
+
+
+def _drop_running_tasks(op: Any, force: bool) -> None:
+    """An operator's ``_cancel_active_tasks`` that lets its running tasks end unwatched."""
+    del force
+    for name in _RUNNING_TASKS:
+        getattr(op, name).clear()
+
+
+def _cancel_at_shutdown(executor: Any) -> None:
+    """Undo :func:`no_cancel_at_shutdown`: ``executor``'s shutdown cancels its tasks again."""
+    for op in getattr(executor, "_topology", None) or ():
+        vars(op).pop("_cancel_active_tasks", None)
+
+
 def check() -> None:
     """Fail if this Ray lacks the iteration internals :class:`RayIteration` relies on."""
     from ray.data import DataIterator
@@ -163,3 +215,10 @@ def check() -> None:
         raise TypeError("Ray Data's StreamingExecutor is no longer a thread")
     if not hasattr(ResourceManager, "GLOBAL_LIMITS_UPDATE_INTERVAL_S"):
         raise AttributeError("Ray Data's ResourceManager has no GLOBAL_LIMITS_UPDATE_INTERVAL_S")
+    from ray.data._internal.execution.interfaces.physical_operator import PhysicalOperator
+    from ray.data._internal.execution.operators.map_operator import MapOperator
+
+    if not callable(getattr(PhysicalOperator, "_cancel_active_tasks", None)):
+        raise AttributeError("Ray Data's PhysicalOperator has no _cancel_active_tasks")
+    if "_data_tasks" not in inspect.getsource(MapOperator.__init__):
+        raise AttributeError("Ray Data's MapOperator keeps no _data_tasks")
