@@ -320,9 +320,12 @@ def test_an_early_break_lets_ray_data_tasks_end_instead_of_cancelling_them(
     # when a ray.cancel meets the task's completion; Ray Data cancels at every break.
     cancelled: list[object] = []
     cancel = ray.cancel
-    monkeypatch.setattr(
-        ray, "cancel", lambda ref, **kw: (cancelled.append(ref), cancel(ref, **kw))[1]
-    )
+
+    def recorded_cancel(ref: object, **kwargs: object) -> object:
+        cancelled.append(ref)
+        return cancel(ref, **kwargs)
+
+    monkeypatch.setattr(ray, "cancel", recorded_cancel)
     total = ray.cluster_resources()["CPU"]
     loader = RayDataLoader(
         ray.data.range(4_000, override_num_blocks=20).map_batches(slow_double, batch_size=100),

@@ -286,9 +286,9 @@ def make_serialization_context() -> None:
     """Make this driver's serialization context now, on the calling thread.
 
     Ray makes it at the first ``ray.put`` / ``ray.get`` / remote call; making it
-    imports pydantic's v1 models to register their serializers (0.2-0.5 s here,
-    holding the GIL). Made by the thread that starts Ray, an epoch's thread does
-    not stop loading runs for it when it first uses Ray.
+    imports pydantic's v1 models to register their serializers (0.2 s measured
+    idle here; most of a 0.44-0.51 s stall while the trainer loaded runs). Made by the thread that starts Ray, an epoch's
+    thread does not stop loading runs for it when it first uses Ray.
 
     Relies on ``ray._private.worker.global_worker.get_serialization_context``.
     """

@@ -169,9 +169,8 @@ def no_cancel_at_shutdown(executor: Any) -> None:
     has taken the task out of ``executing_tasks_`` and not yet completed it) fails
     the task as cancelled, and the completion that follows trips
     ``Check failed: it != submissible_tasks_.end() Tried to complete task that was
-    not pending`` in ``task_manager.cc``; the driver exits with status 1. Seen in
-    this project's test suite about once in ten runs (early breaks of Ray Data
-    loaders). So the operators of raydl's executions drop their running tasks
+    not pending`` in ``task_manager.cc``; the driver exits with status 1. Seen twice
+    in this project's fresh-clone test runs (early breaks of Ray Data loaders). So the operators of raydl's executions drop their running tasks
     instead: a task-pool map task finishes on its own (a map task waiting on its
     output's backpressure is let go once its generator is dropped), an actor pool's
     tasks end with its actors, which the operator kills as before.

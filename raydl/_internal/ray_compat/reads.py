@@ -135,7 +135,6 @@ def parquet_reader_v1() -> Iterator[None]:
 
     Sets ``DataContext.use_datasource_v2`` of the current context meanwhile.
     """
-
     from raydl._internal.ray_compat import context as data_context
 
     context = data_context.get_current()
