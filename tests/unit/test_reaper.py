@@ -7,6 +7,7 @@ that starts them, as ``ray.init`` would. Linux only, as the watcher is.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -89,3 +90,49 @@ def test_the_next_instance_of_the_same_driver_is_not_adopted(ray_dir: Path) -> N
         assert second.poll() is None  # not the first watcher's
     finally:
         _stopped(second)
+
+
+def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_open(
+    ray_dir: Path, tmp_path: Path
+) -> None:
+    """The dashboard agent the raylet forked just before it died: reparented, so no one's
+    descendant, and retitled ``ray::DashboardAgent``, so its command line no longer names
+    the session; it still holds the raylet's log files open (seen once in CI: it outlived
+    a Ctrl-C'd training process). A driver that dies takes the same path as this leftover
+    worker: what is left is killed, then whatever names the session."""
+    session = tmp_path / "session_2026-12-03_16-29-08_485884_19347"
+    (session / "logs").mkdir(parents=True)
+    watcher = reaper.start(reaper.os.getpid(), str(ray_dir), set())
+    assert watcher is not None
+    gcs = subprocess.Popen(
+        [sys.executable, str(ray_dir / "gcs_server.py"), f"--log_dir={session}/logs"]
+    )
+    worker = _program(ray_dir, "worker")  # stuck on its way out: the watcher kills what is left
+    _adopted(watcher)
+    # Started by a parent that exits at once: reparented, no one's descendant here. The
+    # file's path comes through the environment, not the command line.
+    holder = tmp_path / "holder.py"
+    holder.write_text(
+        "import os, time\nf = open(os.environ['HELD'], 'ab')\nprint(os.getpid(), flush=True)\n"
+        + SLEEPER
+    )
+    spawn = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, {str(holder)!r}], stdout=subprocess.PIPE,"
+        " stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.stdout.readline().decode().strip())"
+    )
+    held = {**reaper.os.environ, "HELD": str(session / "logs" / "raylet.out")}
+    spawned = subprocess.run(
+        [sys.executable, "-c", spawn], env=held, capture_output=True, text=True, timeout=30
+    )
+    orphan = int(spawned.stdout)
+    try:
+        assert session.name.encode() not in reaper._cmdline(orphan)
+        _stopped(gcs)  # ray.shutdown(); the worker and the orphan are left over
+        assert worker.wait(timeout=reaper.LEFTOVER_GRACE_S + 5) == -9
+        assert watcher.wait(timeout=5) == 0
+        assert reaper._stat(orphan) is None, "the orphan holding the session's files survived"
+    finally:
+        with contextlib.suppress(OSError):
+            reaper.os.kill(orphan, 9)

@@ -96,19 +96,43 @@ def _sessions(procs: set[Proc]) -> set[bytes]:
     return {m.group() for pid, _ in procs for m in _SESSION.finditer(_cmdline(pid))}
 
 
-def _of_sessions(sessions: set[bytes]) -> set[Proc]:
-    """Every live process (but this one) whose command line names one of ``sessions``.
+def _open_paths(pid: int) -> list[bytes]:
+    """The paths of the files ``pid`` holds open (empty if it is gone or not ours to read)."""
+    folder = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(folder)
+    except OSError:
+        return []
+    paths = []
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            paths.append(os.fsencode(os.readlink(f"{folder}/{fd}")))
+    return paths
 
-    The raylet's workers that it forked just before it died: reparented before the
-    next look, they are no one's descendants any more, but they still name their
-    session (and would wait for their raylet until Ray's own timeout).
+
+def _names_session(pid: int, sessions: set[bytes]) -> bool:
+    """Whether ``pid``'s command line or one of its open files names one of ``sessions``."""
+    return any(session in _cmdline(pid) for session in sessions) or any(
+        session in path for path in _open_paths(pid) for session in sessions
+    )
+
+
+def _of_sessions(sessions: set[bytes]) -> set[Proc]:
+    """Every live process (but this one) that names one of ``sessions``.
+
+    The processes the raylet forked just before it died (a worker, its dashboard
+    agent): reparented before the next look, they are no one's descendants any
+    more, and would wait for their raylet until Ray's own timeout. Their command
+    line names their session, until they retitle themselves (``ray::IDLE``,
+    ``ray::DashboardAgent``); the raylet's log files they inherit (``raylet.out``,
+    open from the fork on) still do.
     """
     if not sessions:
         return set()
     return {
         (pid, start)
         for pid, (_, start) in _table().items()
-        if pid != os.getpid() and any(session in _cmdline(pid) for session in sessions)
+        if pid != os.getpid() and _names_session(pid, sessions)
     }
 
 
