@@ -175,8 +175,13 @@ def test_rays_dashboard_check_answers_as_rays_own_without_importing_aiohttp() ->
 def test_a_new_instances_system_config_waits_for_no_prestarted_worker() -> None:
     from raydl._internal.ray_compat import cluster
 
-    assert cluster.system_config([]) == {"_system_config": {"prestart_worker_first_driver": False}}
+    freed = {"free_objects_period_milliseconds": cluster.FREE_OBJECTS_PERIOD_MS}
+    assert cluster.system_config([]) == {
+        "_system_config": {"prestart_worker_first_driver": False, **freed}
+    }
     assert cluster.system_config(["ray.data"])["_system_config"] == {
         "prestart_worker_first_driver": False,
+        **freed,
         "preload_python_modules": ["ray.data"],
     }
+    assert 0 < cluster.FREE_OBJECTS_PERIOD_MS < 1000  # Ray's default: 1000

@@ -174,8 +174,13 @@ def raylet_env(updates: dict[str, str]) -> Iterator[None]:
             services.start_raylet = start
 
 
+#: Milliseconds between the raylet's deletions of freed objects in an instance raydl starts.
+FREE_OBJECTS_PERIOD_MS = 20
+
+
 def system_config(preload: Sequence[str]) -> dict[str, Any]:
-    """``ray.init`` arguments for a new instance: no wait for prestarted workers, ``preload``.
+    """``ray.init`` arguments for a new instance: no wait for prestarted workers, ``preload``,
+    freed objects deleted within ``FREE_OBJECTS_PERIOD_MS``.
 
     * ``prestart_worker_first_driver`` off. With it on (Ray's default), the raylet
       starts one worker process per CPU when the first driver registers and answers
@@ -185,6 +190,16 @@ def system_config(preload: Sequence[str]) -> dict[str, Any]:
       loads in the trainer while Ray starts, the training loop). Without it, the
       workers start when the first actors are created, a moment after ``ray.init``
       returns, while the trainer goes on.
+    * ``free_objects_period_milliseconds`` (Ray's default 1000): the raylet deletes the
+      objects whose owners freed them in batches, once per period (or per 100
+      objects). Until then their pages in the object store stay taken, and the
+      objects created meanwhile are written to fresh pages, which stay resident in the
+      store's shared memory for the instance's life. A loader streams its batches
+      through the store and frees each once the trainer took it: at Ray's default a
+      second's worth of batches waits for deletion (measured: a 200 MiB store fully
+      written by 8 MiB objects of which at most 3 lived at once; 24 MiB at 20 ms;
+      ``map_style_decode``'s store 626 -> 78 MiB). The cost: the raylet's timer wakes
+      every period (its idle CPU 1.2 -> 1.6 % of a core).
     * ``preload_python_modules``: each worker process imports ``preload`` right after
       it registers with its raylet and before it takes its first task: an actor's
       worker imports them as it starts, before the actor's first call arrives. A
@@ -196,12 +211,15 @@ def system_config(preload: Sequence[str]) -> dict[str, Any]:
     ``--worker-preload-modules``.
 
     Example:
-        >>> system_config(["ray.data"])
-        {'_system_config': {'prestart_worker_first_driver': False, 'preload_python_modules': ['ray.data']}}
+        >>> system_config(["ray.data"])["_system_config"]["preload_python_modules"]
+        ['ray.data']
         >>> system_config([])
-        {'_system_config': {'prestart_worker_first_driver': False}}
+        {'_system_config': {'prestart_worker_first_driver': False, 'free_objects_period_milliseconds': 20}}
     """
-    config: dict[str, Any] = {"prestart_worker_first_driver": False}
+    config: dict[str, Any] = {
+        "prestart_worker_first_driver": False,
+        "free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS,
+    }
     if preload:
         config["preload_python_modules"] = list(preload)
     return {"_system_config": config}
