@@ -92,14 +92,16 @@ def test_the_next_instance_of_the_same_driver_is_not_adopted(ray_dir: Path) -> N
         _stopped(second)
 
 
+@pytest.mark.parametrize("leftover", [False, True], ids=["all_else_gone", "a_worker_left"])
 def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_open(
-    ray_dir: Path, tmp_path: Path
+    ray_dir: Path, tmp_path: Path, leftover: bool
 ) -> None:
     """The dashboard agent the raylet forked just before it died: reparented, so no one's
     descendant, and retitled ``ray::DashboardAgent``, so its command line no longer names
     the session; it still holds the raylet's log files open (seen once in CI: it outlived
-    a Ctrl-C'd training process). A driver that dies takes the same path as this leftover
-    worker: what is left is killed, then whatever names the session."""
+    a Ctrl-C'd training process). Killed after the grace, both when everything the watcher
+    followed is gone (``ray.shutdown()`` at exit) and beside a leftover worker (the path a
+    dead driver takes too: what is left is killed, then whatever names the session)."""
     session = tmp_path / "session_2026-12-03_16-29-08_485884_19347"
     (session / "logs").mkdir(parents=True)
     watcher = reaper.start(reaper.os.getpid(), str(ray_dir), set())
@@ -107,7 +109,7 @@ def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_o
     gcs = subprocess.Popen(
         [sys.executable, str(ray_dir / "gcs_server.py"), f"--log_dir={session}/logs"]
     )
-    worker = _program(ray_dir, "worker")  # stuck on its way out: the watcher kills what is left
+    worker = _program(ray_dir, "worker") if leftover else None  # stuck on its way out
     _adopted(watcher)
     # Started by a parent that exits at once: reparented, no one's descendant here. The
     # file's path comes through the environment, not the command line.
@@ -129,9 +131,12 @@ def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_o
     orphan = int(spawned.stdout)
     try:
         assert session.name.encode() not in reaper._cmdline(orphan)
-        _stopped(gcs)  # ray.shutdown(); the worker and the orphan are left over
-        assert worker.wait(timeout=reaper.LEFTOVER_GRACE_S + 5) == -9
-        assert watcher.wait(timeout=5) == 0
+        stopped = time.monotonic()
+        _stopped(gcs)  # ray.shutdown(); the orphan (and the worker) are left over
+        if worker is not None:
+            assert worker.wait(timeout=reaper.LEFTOVER_GRACE_S + 5) == -9
+        assert watcher.wait(timeout=reaper.LEFTOVER_GRACE_S + 10) == 0
+        assert time.monotonic() - stopped >= reaper.LEFTOVER_GRACE_S  # the grace was given
         assert reaper._stat(orphan) is None, "the orphan holding the session's files survived"
     finally:
         with contextlib.suppress(OSError):

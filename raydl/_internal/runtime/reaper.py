@@ -205,8 +205,9 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
     A process stays followed while it lives, also after its parent died (the
     raylet's agents outlive it). Returns when the driver is gone, or once the
     instance it started is over: its GCS or raylet was followed and nothing
-    followed is left (``ray.shutdown()``). What is still running
-    ``LEFTOVER_GRACE_S`` after the GCS and raylet are gone is SIGKILLed too.
+    followed is left (``ray.shutdown()``) and no process names its session. What is
+    still running ``LEFTOVER_GRACE_S`` after the GCS and raylet are gone is SIGKILLed
+    too.
     """
     tracked: set[Proc] = set()
     core: set[Proc] = set()
@@ -227,7 +228,12 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
             sessions |= _sessions(found)
             tracked |= new
         if not tracked and (core or not driver_alive):
-            return  # ray.shutdown(), or a driver that never started Ray
+            # ray.shutdown(), or a driver that never started Ray; unless a process the
+            # raylet forked in its last moments escaped the descendants' walk.
+            tracked = _alive_with_descendants(_of_sessions(sessions))
+            if not tracked:
+                return
+            over_at = over_at or time.monotonic()
         if not driver_alive or (
             # Some of the instance's processes outlive it (a worker stuck on its way
             # out) beside a driver that goes on.
