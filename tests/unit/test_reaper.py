@@ -118,26 +118,34 @@ def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_o
         "import os, time\nf = open(os.environ['HELD'], 'ab')\nprint(os.getpid(), flush=True)\n"
         + SLEEPER
     )
-    spawn = (
-        "import subprocess, sys\n"
-        f"p = subprocess.Popen([sys.executable, {str(holder)!r}], stdout=subprocess.PIPE,"
-        " stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-        "print(p.stdout.readline().decode().strip())"
-    )
     held = {**reaper.os.environ, "HELD": str(session / "logs" / "raylet.out")}
-    spawned = subprocess.run(
-        [sys.executable, "-c", spawn], env=held, capture_output=True, text=True, timeout=30
-    )
-    orphan = int(spawned.stdout)
+
+    def orphan(title: str) -> int:
+        spawn = (
+            "import subprocess, sys\n"
+            f"p = subprocess.Popen([{title!r}, {str(holder)!r}], executable=sys.executable,"
+            " stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print(p.stdout.readline().decode().strip())"
+        )
+        spawned = subprocess.run(
+            [sys.executable, "-c", spawn], env=held, capture_output=True, text=True, timeout=30
+        )
+        return int(spawned.stdout)
+
+    agent = orphan("ray::DashboardAgent")
+    reader = orphan("tail")  # a user reading the log: not Ray's
     try:
-        assert session.name.encode() not in reaper._cmdline(orphan)
+        assert session.name.encode() not in reaper._cmdline(agent)
+        assert reaper._cmdline(agent).startswith(b"ray::DashboardAgent")
         stopped = time.monotonic()
         _stopped(gcs)  # ray.shutdown(); the orphan (and the worker) are left over
         if worker is not None:
             assert worker.wait(timeout=reaper.LEFTOVER_GRACE_S + 5) == -9
         assert watcher.wait(timeout=reaper.LEFTOVER_GRACE_S + 10) == 0
         assert time.monotonic() - stopped >= reaper.LEFTOVER_GRACE_S  # the grace was given
-        assert reaper._stat(orphan) is None, "the orphan holding the session's files survived"
+        assert reaper._stat(agent) is None, "the orphan holding the session's files survived"
+        assert reaper._stat(reader) is not None, "a process that is not Ray's was killed"
     finally:
-        with contextlib.suppress(OSError):
-            reaper.os.kill(orphan, 9)
+        for pid in (agent, reader):
+            with contextlib.suppress(OSError):
+                reaper.os.kill(pid, 9)

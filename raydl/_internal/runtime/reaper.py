@@ -111,8 +111,13 @@ def _open_paths(pid: int) -> list[bytes]:
 
 
 def _names_session(pid: int, sessions: set[bytes]) -> bool:
-    """Whether ``pid``'s command line or one of its open files names one of ``sessions``."""
-    return any(session in _cmdline(pid) for session in sessions) or any(
+    """Whether ``pid`` is a process of one of ``sessions``: its command line names one,
+    or it is a retitled Ray process (``ray::...``) with a file of one open (not a user's
+    ``tail -f`` of a log)."""
+    line = _cmdline(pid)
+    if any(session in line for session in sessions):
+        return True
+    return line.startswith(b"ray::") and any(
         session in path for path in _open_paths(pid) for session in sessions
     )
 
