@@ -35,8 +35,15 @@ def ray_dir(tmp_path: Path) -> Iterator[Path]:
     yield folder
 
 
-def _program(ray_dir: Path, name: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, str(ray_dir / f"{name}.py")])
+def _program(ray_dir: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, str(ray_dir / f"{name}.py"), *args])
+
+
+def _session(ray_dir: Path) -> Path:
+    """A session folder, named as Ray names them."""
+    session = ray_dir.parent / "session_2026-12-03_16-29-08_485884_19347"
+    (session / "logs").mkdir(parents=True, exist_ok=True)
+    return session
 
 
 def _watched_instance(
@@ -45,7 +52,8 @@ def _watched_instance(
     """A watcher, then an instance's GCS and a worker, once the watcher has seen them."""
     watcher = reaper.start(reaper.os.getpid(), str(ray_dir), set())
     assert watcher is not None
-    gcs, worker = _program(ray_dir, "gcs_server"), _program(ray_dir, "worker")
+    gcs = _program(ray_dir, "gcs_server", f"--log_dir={_session(ray_dir)}/logs")
+    worker = _program(ray_dir, "worker")
     _adopted(watcher)
     return watcher, gcs, worker
 
@@ -101,44 +109,47 @@ def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_o
     the session; it still holds the raylet's log files open (seen once in CI: it outlived
     a Ctrl-C'd training process). Killed after the grace, both when everything the watcher
     followed is gone (``ray.shutdown()`` at exit) and beside a leftover worker (the path a
-    dead driver takes too: what is left is killed, then whatever names the session)."""
-    session = tmp_path / "session_2026-12-03_16-29-08_485884_19347"
-    (session / "logs").mkdir(parents=True)
-    watcher = reaper.start(reaper.os.getpid(), str(ray_dir), set())
-    assert watcher is not None
-    gcs = subprocess.Popen(
-        [sys.executable, str(ray_dir / "gcs_server.py"), f"--log_dir={session}/logs"]
-    )
-    worker = _program(ray_dir, "worker") if leftover else None  # stuck on its way out
-    _adopted(watcher)
+    dead driver takes too: what is left is killed, then the session's Ray processes). A
+    user's ``tail`` of the same log, the session's path on its command line, is not Ray's."""
+    session = _session(ray_dir)
+    log = session / "logs" / "raylet.out"
     # Started by a parent that exits at once: reparented, no one's descendant here. The
-    # file's path comes through the environment, not the command line.
+    # file to hold open comes through the environment.
     holder = tmp_path / "holder.py"
     holder.write_text(
         "import os, time\nf = open(os.environ['HELD'], 'ab')\nprint(os.getpid(), flush=True)\n"
         + SLEEPER
     )
-    held = {**reaper.os.environ, "HELD": str(session / "logs" / "raylet.out")}
+    started: list[reaper.Proc] = []
 
-    def orphan(title: str) -> int:
+    def orphan(*argv: str) -> int:
         spawn = (
             "import subprocess, sys\n"
-            f"p = subprocess.Popen([{title!r}, {str(holder)!r}], executable=sys.executable,"
+            f"p = subprocess.Popen({[*argv]!r}, executable=sys.executable,"
             " stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
             "print(p.stdout.readline().decode().strip())"
         )
-        spawned = subprocess.run(
-            [sys.executable, "-c", spawn], env=held, capture_output=True, text=True, timeout=30
-        )
-        return int(spawned.stdout)
+        env = {**reaper.os.environ, "HELD": str(log)}
+        out = subprocess.run(
+            [sys.executable, "-c", spawn], env=env, capture_output=True, text=True, timeout=30
+        ).stdout
+        pid = int(out)
+        stat = reaper._stat(pid)
+        assert stat is not None
+        started.append((pid, stat[1]))
+        return pid
 
-    agent = orphan("ray::DashboardAgent")
-    reader = orphan("tail")  # a user reading the log: not Ray's
+    watcher = reaper.start(reaper.os.getpid(), str(ray_dir), set())
+    assert watcher is not None
+    gcs = _program(ray_dir, "gcs_server", f"--log_dir={session}/logs")
+    worker = _program(ray_dir, "worker") if leftover else None  # stuck on its way out
     try:
+        _adopted(watcher)
+        agent = orphan("ray::DashboardAgent", str(holder))
+        reader = orphan("tail", str(holder), str(log))  # a user reading the log
         assert session.name.encode() not in reaper._cmdline(agent)
-        assert reaper._cmdline(agent).startswith(b"ray::DashboardAgent")
         stopped = time.monotonic()
-        _stopped(gcs)  # ray.shutdown(); the orphan (and the worker) are left over
+        _stopped(gcs)  # ray.shutdown(); the orphans (and the worker) are left over
         if worker is not None:
             assert worker.wait(timeout=reaper.LEFTOVER_GRACE_S + 5) == -9
         assert watcher.wait(timeout=reaper.LEFTOVER_GRACE_S + 10) == 0
@@ -146,6 +157,11 @@ def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_o
         assert reaper._stat(agent) is None, "the orphan holding the session's files survived"
         assert reaper._stat(reader) is not None, "a process that is not Ray's was killed"
     finally:
-        for pid in (agent, reader):
-            with contextlib.suppress(OSError):
-                reaper.os.kill(pid, 9)
+        for proc in (watcher, gcs, worker):
+            if proc is not None:
+                _stopped(proc)
+        for pid, start in started:
+            stat = reaper._stat(pid)
+            if stat is not None and stat[1] == start:  # still that process, not a reused pid
+                with contextlib.suppress(OSError):
+                    reaper.os.kill(pid, 9)

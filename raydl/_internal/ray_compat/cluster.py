@@ -196,8 +196,8 @@ def system_config(preload: Sequence[str]) -> dict[str, Any]:
       objects created meanwhile are written to fresh pages, which stay resident in the
       store's shared memory for the instance's life. A loader streams its batches
       through the store and frees each once the trainer took it: at Ray's default a
-      second's worth of batches waits for deletion (measured: a 200 MiB store fully
-      written by 8 MiB objects of which at most 3 lived at once; 24 MiB at 20 ms;
+      second's worth of batches waits for deletion (measured: 184 MiB of a 200 MiB
+      store written by 8 MiB objects of which at most 3 lived at once; 24 MiB at 20 ms;
       ``map_style_decode``'s store 626 -> 78 MiB). The cost: the raylet's timer wakes
       every period (its idle CPU 1.2 -> 1.6 % of a core).
     * ``preload_python_modules``: each worker process imports ``preload`` right after

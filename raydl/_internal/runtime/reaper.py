@@ -110,20 +110,33 @@ def _open_paths(pid: int) -> list[bytes]:
     return paths
 
 
-def _names_session(pid: int, sessions: set[bytes]) -> bool:
-    """Whether ``pid`` is a process of one of ``sessions``: its command line names one,
-    or it is a retitled Ray process (``ray::...``) with a file of one open (not a user's
-    ``tail -f`` of a log)."""
+def _mentions(text: bytes, session: bytes) -> bool:
+    """Whether ``text`` (a path, or a command line's NUL-separated arguments) names
+    ``session`` itself, not a longer name it begins."""
+    return any(session + end in text for end in (b"/", b"\0")) or text.endswith(session)
+
+
+def _of_session(pid: int, sessions: set[bytes], marker: bytes) -> bool:
+    """Whether ``pid`` is a Ray process of one of ``sessions``.
+
+    A Ray process: it runs a program of Ray's package (``marker``, its folder), or it
+    retitled itself (``ray::IDLE``, ``ray::DashboardAgent``); never a user's
+    ``tail -f`` of a log. Of the session: its command line names it, or, retitled, it
+    holds one of its files open.
+    """
     line = _cmdline(pid)
-    if any(session in line for session in sessions):
+    retitled = line.startswith(b"ray::")
+    if not retitled and marker not in line:
+        return False
+    if any(_mentions(line, session) for session in sessions):
         return True
-    return line.startswith(b"ray::") and any(
-        session in path for path in _open_paths(pid) for session in sessions
+    return retitled and any(
+        _mentions(path, session) for path in _open_paths(pid) for session in sessions
     )
 
 
-def _of_sessions(sessions: set[bytes]) -> set[Proc]:
-    """Every live process (but this one) that names one of ``sessions``.
+def _of_sessions(sessions: set[bytes], ray_dir: str, driver: int) -> set[Proc]:
+    """Every live Ray process (but this one and the driver) of one of ``sessions``.
 
     The processes the raylet forked just before it died (a worker, its dashboard
     agent): reparented before the next look, they are no one's descendants any
@@ -134,10 +147,11 @@ def _of_sessions(sessions: set[bytes]) -> set[Proc]:
     """
     if not sessions:
         return set()
+    marker = os.path.join(ray_dir, "").encode()
     return {
         (pid, start)
         for pid, (_, start) in _table().items()
-        if pid != os.getpid() and _names_session(pid, sessions)
+        if pid not in {os.getpid(), driver} and _of_session(pid, sessions, marker)
     }
 
 
@@ -210,9 +224,9 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
     A process stays followed while it lives, also after its parent died (the
     raylet's agents outlive it). Returns when the driver is gone, or once the
     instance it started is over: its GCS or raylet was followed and nothing
-    followed is left (``ray.shutdown()``) and no process names its session. What is
-    still running ``LEFTOVER_GRACE_S`` after the GCS and raylet are gone is SIGKILLed
-    too.
+    followed is left (``ray.shutdown()``) and no Ray process names its session. What
+    is still running ``LEFTOVER_GRACE_S`` after the GCS and raylet are gone is
+    SIGKILLed, and the watcher returns.
     """
     tracked: set[Proc] = set()
     core: set[Proc] = set()
@@ -235,10 +249,10 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
         if not tracked and (core or not driver_alive):
             # ray.shutdown(), or a driver that never started Ray; unless a process the
             # raylet forked in its last moments escaped the descendants' walk.
-            tracked = _alive_with_descendants(_of_sessions(sessions))
+            tracked = _alive_with_descendants(_of_sessions(sessions, ray_dir, driver[0]))
             if not tracked:
                 return
-            over_at = over_at or time.monotonic()
+            # What it found gets what is left of the grace begun at the GCS and raylet's exit.
         if not driver_alive or (
             # Some of the instance's processes outlive it (a worker stuck on its way
             # out) beside a driver that goes on.
@@ -248,7 +262,7 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
             # Workers forked in the last moments escaped the descendants' walk: the
             # session's name finds them (twice: one may still be forking).
             for _ in range(2):
-                _kill(_alive_with_descendants(_of_sessions(sessions)))
+                _kill(_alive_with_descendants(_of_sessions(sessions, ray_dir, driver[0])))
                 time.sleep(POLL_S)
             return
         time.sleep(POLL_S)
