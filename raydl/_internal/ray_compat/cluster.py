@@ -198,7 +198,7 @@ def system_config(preload: Sequence[str]) -> dict[str, Any]:
       through the store and frees each once the trainer took it: at Ray's default a
       second's worth of batches waits for deletion (measured: 184 MiB of a 200 MiB
       store written by 8 MiB objects of which at most 3 lived at once; 24 MiB at 20 ms;
-      ``map_style_decode``'s store 626 -> 78 MiB). The cost: the raylet's timer wakes
+      ``mapstyle_decode`` benchmark's store 626 -> 78 MiB). The cost: the raylet's timer wakes
       every period (its idle CPU 1.2 -> 1.6 % of a core).
     * ``preload_python_modules``: each worker process imports ``preload`` right after
       it registers with its raylet and before it takes its first task: an actor's
