@@ -199,7 +199,7 @@ def system_config(preload: Sequence[str]) -> dict[str, Any]:
       second's worth of batches waits for deletion (measured: 184 MiB of a 200 MiB
       store written by 8 MiB objects of which at most 3 lived at once; 24 MiB at 20 ms;
       ``mapstyle_decode`` benchmark's store 626 -> 78 MiB). The cost: the raylet's timer wakes
-      every period (its idle CPU 1.2 -> 1.6 % of a core).
+      every period (its idle CPU 1.1-1.2 -> 1.6 % of a core).
     * ``preload_python_modules``: each worker process imports ``preload`` right after
       it registers with its raylet and before it takes its first task: an actor's
       worker imports them as it starts, before the actor's first call arrives. A
