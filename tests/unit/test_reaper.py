@@ -8,6 +8,7 @@ that starts them, as ``ray.init`` would. Linux only, as the watcher is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import subprocess
 import sys
 import time
@@ -39,11 +40,49 @@ def _program(ray_dir: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, str(ray_dir / f"{name}.py"), *args])
 
 
-def _session(ray_dir: Path) -> Path:
-    """A session folder, named as Ray names them."""
-    session = ray_dir.parent / "session_2026-12-03_16-29-08_485884_19347"
+def _session(ray_dir: Path, driver: int = 19347) -> Path:
+    """A session folder, named as Ray names them (after the process that started it)."""
+    session = ray_dir.parent / f"session_2026-12-03_16-29-08_485884_{driver}"
     (session / "logs").mkdir(parents=True, exist_ok=True)
     return session
+
+
+def _holder(tmp_path: Path) -> Path:
+    """A program that holds the file named by ``$HELD`` open and prints its pid."""
+    holder = tmp_path / "holder.py"
+    holder.write_text(
+        "import os, time\nf = open(os.environ['HELD'], 'ab')\nprint(os.getpid(), flush=True)\n"
+        + SLEEPER
+    )
+    return holder
+
+
+def _orphan(started: list[reaper.Proc], held: Path, *argv: str) -> int:
+    """``argv`` (``argv[0]`` its title) holding ``held`` open, started by a parent that
+    exits at once: reparented, no one's descendant here. Its pid; appended to ``started``."""
+    spawn = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen({[*argv]!r}, executable=sys.executable,"
+        " stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.stdout.readline().decode().strip())"
+    )
+    env = {**reaper.os.environ, "HELD": str(held)}
+    out = subprocess.run(
+        [sys.executable, "-c", spawn], env=env, capture_output=True, text=True, timeout=30
+    ).stdout
+    pid = int(out)
+    stat = reaper._stat(pid)
+    assert stat is not None
+    started.append((pid, stat[1]))
+    return pid
+
+
+def _kill_all(started: list[reaper.Proc]) -> None:
+    for pid, start in started:
+        stat = reaper._stat(pid)
+        if stat is not None and stat[1] == start:  # still that process, not a reused pid
+            with contextlib.suppress(OSError):
+                reaper.os.kill(pid, 9)
 
 
 def _watched_instance(
@@ -113,31 +152,9 @@ def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_o
     user's ``tail`` of the same log, the session's path on its command line, is not Ray's."""
     session = _session(ray_dir)
     log = session / "logs" / "raylet.out"
-    # Started by a parent that exits at once: reparented, no one's descendant here. The
-    # file to hold open comes through the environment.
-    holder = tmp_path / "holder.py"
-    holder.write_text(
-        "import os, time\nf = open(os.environ['HELD'], 'ab')\nprint(os.getpid(), flush=True)\n"
-        + SLEEPER
-    )
+    holder = _holder(tmp_path)
     started: list[reaper.Proc] = []
-
-    def orphan(*argv: str) -> int:
-        spawn = (
-            "import subprocess, sys\n"
-            f"p = subprocess.Popen({[*argv]!r}, executable=sys.executable,"
-            " stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-            "print(p.stdout.readline().decode().strip())"
-        )
-        env = {**reaper.os.environ, "HELD": str(log)}
-        out = subprocess.run(
-            [sys.executable, "-c", spawn], env=env, capture_output=True, text=True, timeout=30
-        ).stdout
-        pid = int(out)
-        stat = reaper._stat(pid)
-        assert stat is not None
-        started.append((pid, stat[1]))
-        return pid
+    orphan = functools.partial(_orphan, started, log)
 
     watcher = reaper.start(reaper.os.getpid(), str(ray_dir), set())
     assert watcher is not None
@@ -160,8 +177,30 @@ def test_an_orphan_that_retitled_itself_is_found_by_the_session_files_it_holds_o
         for proc in (watcher, gcs, worker):
             if proc is not None:
                 _stopped(proc)
-        for pid, start in started:
-            stat = reaper._stat(pid)
-            if stat is not None and stat[1] == start:  # still that process, not a reused pid
-                with contextlib.suppress(OSError):
-                    reaper.os.kill(pid, 9)
+        _kill_all(started)
+
+
+def test_a_driver_dead_before_the_watcher_saw_its_instance_leaves_no_ray_process(
+    ray_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer killed within one look of its GCS's start (seen once: a Ctrl-C test left a
+    ``ray::RuntimeEnvAgent``): the watcher followed nothing and knows no session, and the
+    agent, reparented and retitled, is no one's descendant. Ray names the session after
+    its driver, so the session's agent is killed; another driver's session's is not."""
+    driver = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    started: list[reaper.Proc] = []
+    try:
+        watcher = reaper.start(driver.pid, str(ray_dir), set())
+        assert watcher is not None
+        holder = _holder(tmp_path)
+        mine = _session(ray_dir, driver.pid) / "logs" / "runtime_env_agent.log"
+        other = _session(ray_dir, driver.pid + 1) / "logs" / "runtime_env_agent.log"
+        agent = _orphan(started, mine, "ray::RuntimeEnvAgent", str(holder))
+        stranger = _orphan(started, other, "ray::RuntimeEnvAgent", str(holder))
+        _stopped(driver)
+        assert watcher.wait(timeout=10) == 0
+        assert reaper._stat(agent) is None, "the dead driver's agent survived"
+        assert reaper._stat(stranger) is not None, "another driver's Ray process was killed"
+    finally:
+        _stopped(driver)
+        _kill_all(started)

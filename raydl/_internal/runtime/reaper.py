@@ -155,6 +155,31 @@ def _of_sessions(sessions: set[bytes], ray_dir: str, driver: int) -> set[Proc]:
     }
 
 
+def _named_after(driver: Proc, ray_dir: str) -> set[bytes]:
+    """The session folders named after ``driver`` that live Ray processes still name.
+
+    Ray names a session after the process that starts it
+    (``session_<date>_<time>_<usec>_<driver pid>``). A driver that dies within one look
+    of its GCS's start leaves this watcher without the session's name (nothing followed),
+    and its Ray processes, reparented, are no one's descendants; they still name the
+    session, on their command line or (retitled) in the files they hold open. Only Ray
+    processes started since the driver count: a reused pid's are not its.
+    """
+    marker = os.path.join(ray_dir, "").encode()
+    pid = str(driver[0]).encode()
+    found: set[bytes] = set()
+    for other, (_, start) in _table().items():
+        line = _cmdline(other)
+        retitled = line.startswith(b"ray::")
+        if start < driver[1] or other == os.getpid() or not (retitled or marker in line):
+            continue
+        for text in [line, *(_open_paths(other) if retitled else [])]:
+            for match in _SESSION.finditer(text):
+                if match.group().endswith(b"_" + pid) and _mentions(text, match.group()):
+                    found.add(match.group())
+    return found
+
+
 def _is_core(pid: int) -> bool:
     """The GCS or the raylet: once they are gone, so is the instance."""
     line = _cmdline(pid)
@@ -246,6 +271,9 @@ def watch(driver: Proc, ray_dir: str, exclude: set[Proc]) -> None:
             core |= found
             sessions |= _sessions(found)
             tracked |= new
+        if not driver_alive and not core:
+            # It died before this watcher saw its instance's GCS: the session is named after it.
+            sessions |= _named_after(driver, ray_dir)
         if not tracked and (core or not driver_alive):
             # ray.shutdown(), or a driver that never started Ray; unless a process the
             # raylet forked in its last moments escaped the descendants' walk.
