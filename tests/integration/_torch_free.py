@@ -12,9 +12,13 @@ import numpy as np
 
 
 def parse_and_report(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Files holding their id as text -> ``id``, and whether this process has torch."""
+    """Files holding their id as text -> ``id``, and whether this process has torch, Ray Data."""
     ids = np.array([int(b) for b in batch["bytes"]], dtype=np.int64)
-    return {"id": ids, "torch_loaded": np.full(len(ids), "torch" in sys.modules)}
+    return {
+        "id": ids,
+        "torch_loaded": np.full(len(ids), "torch" in sys.modules),
+        "ray_data_loaded": np.full(len(ids), "ray.data" in sys.modules),
+    }
 
 
 def fails_on_seven(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,8 +1,9 @@
-"""The direct path's actors run pyarrow and numpy work without importing torch.
+"""The direct path's actors run pyarrow and numpy work without importing torch or Ray Data.
 
-Importing torch costs a process about 130 MB of private memory; a direct-path
-actor needs none of it (docs/design.md, "Lean"). The last-mile function reports,
-from inside the actor, whether torch is there; the batches still arrive as
+Importing torch costs a process about 130 MB of private memory, Ray Data about 60 MB
+and a CPU-second (pandas included); a direct-path actor needs neither (docs/design.md,
+"Lean", "Actors without Ray Data"). The last-mile function reports, from inside the
+actor, whether they are there; the batches still arrive as
 tensors in the trainer, and an error in the actor still has the user's type and
 the worker's traceback, as torch's ``ExceptionWrapper`` would give them.
 """
@@ -43,7 +44,7 @@ def _by_value() -> object:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["files", "global"])
-def test_direct_actors_do_not_import_torch(folder: Path, mode: str) -> None:
+def test_direct_actors_import_neither_torch_nor_ray_data(folder: Path, mode: str) -> None:
     ds = raydl.read_binary_files(str(folder)).map_batches(
         _torch_free.parse_and_report, batch_size=8, batch_format="numpy"
     )
@@ -60,6 +61,7 @@ def test_direct_actors_do_not_import_torch(folder: Path, mode: str) -> None:
     assert sorted(ids.tolist()) == list(range(FILES))
     assert isinstance(batches[0]["torch_loaded"], torch.Tensor)  # tensors in the trainer
     assert not torch.cat([b["torch_loaded"] for b in batches]).any()
+    assert not torch.cat([b["ray_data_loaded"] for b in batches]).any()
 
 
 @pytest.mark.timeout(120)

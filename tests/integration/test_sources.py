@@ -422,7 +422,7 @@ def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
 def test_parquet_reads_use_pyarrows_threads_only_with_over_one_cpu() -> None:
     import ray
 
-    from raydl._internal.io.parquet import decode_threads
+    from raydl._internal.io.readers import decode_threads
 
     @ray.remote
     def threads() -> bool:

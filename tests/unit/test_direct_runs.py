@@ -12,8 +12,9 @@ import pytest
 from ray.data import DataContext
 
 from raydl._internal.epochs import direct
-from raydl._internal.epochs.direct import EpochWork, Stage, runs
+from raydl._internal.epochs.direct import DirectPlan, EpochWork, Stage, runs
 from raydl._internal.io.files import FileListDatasource
+from raydl._internal.ray_compat import batches
 
 
 def _listed(count: int, size: int | None) -> list[tuple[str, int | None]]:
@@ -50,7 +51,7 @@ def _work(tmp_path: Path, stages: tuple[Stage, ...], on_bad_file: str = "raise")
     source = FileListDatasource(
         [], pafs.LocalFileSystem(), include_paths=True, on_bad_file=on_bad_file
     )
-    return EpochWork(source, stages, DataContext.get_current())
+    return DirectPlan(source, stages, 1.0, None, ()).work(DataContext.get_current())
 
 
 def _stage(fn: Any, batch_size: int | None, *args: Any) -> Stage:
@@ -102,9 +103,10 @@ def test_a_stages_bad_output_gets_ray_datas_error(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_numeric_outputs_are_kept_and_others_go_through_arrow(tmp_path: Path) -> None:
     image = np.arange(12, dtype=np.float32).reshape(3, 1, 2, 2)
-    kept = direct._as_numpy({"image": image, "id": np.arange(3)})
-    assert kept["image"] is image
-    table = direct._as_numpy(pa.table({"s": ["a", "b"]}))
-    assert table["s"].tolist() == ["a", "b"]
-    with pytest.raises(Exception, match=r"length|same"):  # unequal columns: Ray's own error
-        direct._as_numpy({"a": np.arange(3), "b": np.arange(2)})
+    with batches.RayData(None) as ray_data:
+        kept = batches.to_numpy({"image": image, "id": np.arange(3)}, ray_data)
+        assert kept["image"] is image
+        table = batches.to_numpy(pa.table({"s": ["a", "b"]}), ray_data)
+        assert table["s"].tolist() == ["a", "b"]
+        with pytest.raises(Exception, match=r"length|same"):  # unequal columns: Ray's own error
+            batches.to_numpy({"a": np.arange(3), "b": np.arange(2)}, ray_data)

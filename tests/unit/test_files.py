@@ -12,7 +12,7 @@ import pyarrow.fs as pafs
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from raydl._internal.io import files
+from raydl._internal.io import files, readers
 from raydl._internal.io.files import FileListDatasource
 
 
@@ -95,7 +95,7 @@ def test_a_remote_filesystems_files_are_fetched_at_once_in_the_tasks_order(
     block = _read_task(paths, slow)
     assert block.column("path").to_pylist() == paths
     assert block.column("bytes").to_pylist() == [bytes([i]) * (i + 1) for i in range(40)]
-    assert 1 < slow.most_at_once <= files._Reader.READ_THREADS
+    assert 1 < slow.most_at_once <= readers.BinaryRuns.READ_THREADS
 
 
 @pytest.mark.timeout(30)

@@ -10,8 +10,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from raydl._internal.io import parquet
-from raydl._internal.io.parquet import Footer, ParquetFilesDatasource, conform, read_tasks_for
+from raydl._internal.io import parquet, readers
+from raydl._internal.io.parquet import Footer, ParquetFilesDatasource, read_tasks_for
+from raydl._internal.io.readers import conform
 
 MIB = 1 << 20
 
@@ -70,7 +71,7 @@ def test_read_task_reads_its_files_in_order_by_row_group_runs(
         columns=None,
         include_paths=False,
     )
-    monkeypatch.setattr(parquet, "CHUNK_BYTES", 1)  # one row group per table
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 1)  # one row group per table
     (task,) = source.get_read_tasks(1)
     assert task.metadata.num_rows == 300
     tables = list(task())

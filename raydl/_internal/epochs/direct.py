@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import collections.abc
-import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -45,6 +44,7 @@ import numpy as np
 from raydl._internal.epochs.deal import deal
 from raydl._internal.epochs.exchange import Exchange, Here, partition_count
 from raydl._internal.epochs.exchange import shares as exchange_shares
+from raydl._internal.io.readers import RunReader
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
 from raydl._internal.ray_compat.errors import unpickling_cause
@@ -98,18 +98,19 @@ class Stage:
     batch_format: Any  # Ray's resolved format: "numpy", "pandas", "pyarrow" or None
     zero_copy_batch: bool
 
-    def apply(self, blocks: Iterable[Any]) -> Iterator[Any]:
+    def apply(self, blocks: Iterable[Any], ray_data: batches.RayData) -> Iterator[Any]:
         """The function's (checked) outputs for ``blocks``, batched as Ray Data's ``map_batches``."""
         cut = batches.batches(
             blocks,
             batch_size=self.batch_size,
             batch_format=self.batch_format,  # None: the block as it is, as Ray passes it
             ensure_copy=not self.zero_copy_batch and self.batch_size is not None,
+            ray_data=ray_data,
         )
         for batch in cut:
             out = self.fn(batch, *self.fn_args, **self.fn_kwargs)
             for each in out if isinstance(out, collections.abc.Generator) else (out,):
-                batches.validate_output(each)
+                batches.validate_output(each, ray_data)
                 yield each
 
 
@@ -125,7 +126,14 @@ class DirectPlan:
     exchange: Exchange | None = None  # the epoch's global shuffle (exchange.py), if any
 
     def work(self, context: Any) -> EpochWork:
-        return EpochWork(self.source, self.stages, context, self.exchange)
+        """What an actor needs for this plan's runs, under ``context`` (the epoch's ``DataContext``)."""
+        return EpochWork(
+            self.source.run_reader(),
+            tuple(context.retried_io_errors or ()),
+            self.stages,
+            batches.LazyContext(context),
+            self.exchange,
+        )
 
     def runs(self) -> list[tuple[str, ...]]:
         """The epoch's runs of files (see :func:`runs`)."""
@@ -287,11 +295,16 @@ Task = LoadRun | MapRun | DealRun
 
 @dataclass(frozen=True)
 class EpochWork:
-    """What an actor needs for the runs of one epoch: the read, the stages, Ray's context."""
+    """What an actor needs for the runs of one epoch: the read, the stages, Ray's context.
 
-    source: Any
+    None of it imports Ray Data as it unpickles (``io/readers.py``, ``ray_compat/batches.py``):
+    an actor imports it only for a stage or a column that needs Ray Data's own conversions.
+    """
+
+    reader: RunReader
+    retried: tuple[str, ...]  # the epoch's DataContext.retried_io_errors
     stages: tuple[Stage, ...]
-    context: Any  # the epoch plan's ray.data.DataContext (retried errors, block sizes)
+    context: batches.LazyContext  # the epoch plan's ray.data.DataContext, for Ray's conversions
     exchange: Exchange | None = None
 
     def load(
@@ -299,16 +312,16 @@ class EpochWork:
     ) -> list[dict[str, np.ndarray]]:
         """The run's rows after every stage, as Ray Data's numpy batches (one per output block).
 
-        ``own_context``: install the plan's ``DataContext`` while loading (in an actor;
-        not in the trainer's process, whose other threads may read the current one).
+        ``own_context``: make the plan's ``DataContext`` current while Ray Data's code
+        runs (in an actor; not in the trainer's process, whose other threads may read
+        the current one).
         """
-        from ray.data.block import BlockAccessor
-
-        with batches.current_context(self.context) if own_context else contextlib.nullcontext():
-            outputs: Iterable[Any] = self.source._reader(list(paths))()
+        with batches.RayData(self.context if own_context else None) as ray_data:
+            outputs: Iterable[Any] = self.reader.read(paths, self.retried)
             for stage in self.stages:
-                outputs = stage.apply(map(BlockAccessor.batch_to_block, outputs))
-            loaded = (_as_numpy(output) for output in outputs)
+                blocks = (batches.to_block(output, ray_data) for output in outputs)
+                outputs = stage.apply(blocks, ray_data)
+            loaded = (batches.to_numpy(output, ray_data) for output in outputs)
             return [batch for batch in loaded if row_count(batch)]
 
     def run(self, task: Task, *, own_context: bool = True) -> Any:
@@ -330,25 +343,6 @@ class EpochWork:
             return (counts, loaded_bytes([grouped])), grouped
         counts, pieces = self.exchange.split(task.run, loaded)
         return (counts, loaded_bytes(pieces)), *pieces
-
-
-def _as_numpy(output: Any) -> dict[str, np.ndarray]:
-    """A stage's output (or a read's block) as Ray Data's numpy batch of it.
-
-    A dict of equally long numeric arrays is already that batch (Ray's round trip
-    through an Arrow block gives the same arrays back), so it is not converted.
-    """
-    from ray.data.block import BlockAccessor
-
-    if isinstance(output, dict) and output:
-        columns = list(output.values())
-        if (
-            all(isinstance(c, np.ndarray) and c.ndim and c.dtype.kind in "biufc" for c in columns)
-            and len({len(c) for c in columns}) == 1
-        ):
-            return output
-    block = BlockAccessor.batch_to_block(output)
-    return BlockAccessor.for_block(block).to_batch_format("numpy")
 
 
 class RunLoader:

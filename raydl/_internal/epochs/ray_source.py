@@ -105,9 +105,19 @@ class RaySource(RankEpochs):
 
     #: Epochs of Ray Data plans always run on Ray.
     in_process = False
-    #: Its workers (raydl's direct actors, Ray Data's tasks) import Ray Data: an embedded
-    #: instance it starts has them import it as they start (``cluster.ensure_ray``).
-    worker_modules = cluster.RAY_DATA_WORKERS
+    @functools.cached_property
+    def worker_modules(self) -> tuple[str, ...]:
+        """What an embedded instance it starts has its workers import as they start.
+
+        Ray Data, for a plan Ray Data runs (its tasks import it; ``cluster.ensure_ray``);
+        nothing for one raydl's actors run, which import no Ray Data (docs/design.md,
+        "Actors without Ray Data").
+        """
+        dataset = self._dataset
+        direct = self._settings.options.direct_execution is not False
+        if direct and not isinstance(dataset, PerEpoch) and direct_plan(dataset) is not None:
+            return ()
+        return cluster.RAY_DATA_WORKERS
 
     def takes_start(self, startup: BackgroundStart | None) -> bool:
         """Keep the loader's start on one rank: an epoch waits for it only when it needs Ray.

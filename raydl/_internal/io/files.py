@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
@@ -28,8 +27,7 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from raydl._internal.io import skips
-from raydl._internal.io.fs import flush_cache
+from raydl._internal.io.readers import BinaryRuns, RunReader
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import reads
 
@@ -95,8 +93,12 @@ class FileRunsDatasource(Datasource):
             for part in parts
         ]
 
-    def _reader(self, paths: list[str]) -> Callable[[], Iterator[pa.Table]]:
+    def run_reader(self) -> RunReader:
+        """What reads a run of this source's files (``readers.py``: no Ray Data in it)."""
         raise NotImplementedError
+
+    def _reader(self, paths: list[str]) -> Callable[[], Iterator[pa.Table]]:
+        return _TaskRead(self.run_reader(), paths)
 
     def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
         raise NotImplementedError
@@ -121,8 +123,10 @@ class FileListDatasource(FileRunsDatasource):
     def get_name(self) -> str:
         return "BinaryFiles"
 
-    def _reader(self, paths: list[str]) -> Callable[[], Iterator[pa.Table]]:
-        return _Reader(self, paths)
+    def run_reader(self) -> BinaryRuns:
+        return BinaryRuns(
+            self._filesystem, include_paths=self._include_paths, skip=self._on_bad_file == "skip"
+        )
 
     def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
         sizes = [size for _, size in part]
@@ -134,72 +138,15 @@ class FileListDatasource(FileRunsDatasource):
         )
 
 
-class _Reader:
-    """One read task's body (a class, not a closure: it pickles without the whole list).
+class _TaskRead:
+    """A Ray Data read task's body: its run, read with the execution's retried errors."""
 
-    Files on pyarrow's local filesystem are read in one loop (a few microseconds
-    each). Any other filesystem (an object store, an fsspec bridge) answers each
-    request after a round trip, so up to :attr:`READ_THREADS` files are fetched at
-    once; the block keeps the task's file order either way.
-    """
-
-    #: Files fetched at once per task from a filesystem other than the local disk.
-    READ_THREADS = 16
-
-    def __init__(self, source: FileListDatasource, paths: list[str]) -> None:
-        self._filesystem = source._filesystem
-        self._include_paths = source._include_paths
-        self._skip = source._on_bad_file == "skip"
+    def __init__(self, reader: RunReader, paths: list[str]) -> None:
+        self._reader = reader
         self._paths = paths
-
-    def _read(self, path: str) -> tuple[bytes | None, Exception | None]:
-        try:
-            with self._filesystem.open_input_stream(path) as f:
-                return f.read(), None
-        except Exception as err:
-            return None, err
-
-    def _results(self) -> Iterator[tuple[bytes | None, Exception | None]]:
-        import pyarrow.fs as pafs
-
-        threads = min(self.READ_THREADS, len(self._paths))
-        if isinstance(self._filesystem, pafs.LocalFileSystem) or threads < 2:
-            yield from map(self._read, self._paths)
-            return
-        with ThreadPoolExecutor(threads, thread_name_prefix="raydl-read") as pool:
-            # map() yields in order; if the task stops early (a file failed and
-            # is not skipped), closing it cancels the reads not yet started.
-            yield from pool.map(self._read, self._paths)
 
     def __call__(self) -> Iterator[pa.Table]:
         import ray.data
 
         retried = ray.data.DataContext.get_current().retried_io_errors or ()
-        datas: list[bytes] = []
-        kept: list[str] = []
-        try:
-            for path, (data, err) in zip(self._paths, self._results(), strict=True):
-                if err is not None:
-                    if not self._skip or not skips.skippable(err, retried):
-                        raise naming(err, path) from err
-                    skips.record_skip(path, err)
-                    continue
-                assert data is not None
-                datas.append(data)
-                kept.append(path)
-        finally:
-            flush_cache(self._filesystem)  # the task's cache counters, once
-        columns: dict[str, Any] = {"bytes": pa.array(datas, type=pa.binary())}
-        if self._include_paths:
-            columns["path"] = pa.array(kept, type=pa.string())
-        yield pa.table(columns)
-
-
-def naming(err: Exception, path: str) -> Exception:
-    """``err``, or one of its type whose message also names ``path``."""
-    if path in str(err):
-        return err
-    try:
-        return type(err)(f"{err} (file {path!r})")
-    except Exception:  # an exception type with another constructor
-        return err
+        return self._reader.read(self._paths, retried)

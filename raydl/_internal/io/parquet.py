@@ -29,7 +29,7 @@ columns and dtypes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,20 +38,19 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 
 from raydl._internal.io import skips
-from raydl._internal.io.files import READ_DATASOURCE_OPTIONS, FileRunsDatasource, naming
-from raydl._internal.io.fs import LISTING_THREADS, flush_cache, without_cache
+from raydl._internal.io.files import READ_DATASOURCE_OPTIONS, FileRunsDatasource
+from raydl._internal.io.fs import LISTING_THREADS, without_cache
+from raydl._internal.io.readers import ParquetRuns
 from raydl._internal.io.runs import RUN_BYTES, run_count
 from raydl.errors import RemoteReadError
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
-    import pyarrow.parquet as pq
     import ray.data
 
 __all__ = [
     "Footer",
     "ParquetFilesDatasource",
-    "conform",
     "first_bad_file",
     "read_dataset",
     "read_footers",
@@ -61,8 +60,6 @@ __all__ = [
 
 #: Uncompressed bytes a read task aims at (row-group sizes from the footers).
 TASK_BYTES = RUN_BYTES
-#: Uncompressed bytes read from a file at once (whole row groups).
-CHUNK_BYTES = 32 << 20
 #: What raydl's parquet source takes besides the files; other options (``filter``,
 #: ``partitioning``, Ray's own ``shuffle``, ...) go to Ray's V1 parquet reader.
 OWN_READER_OPTIONS = READ_DATASOURCE_OPTIONS | {"schema"}
@@ -362,8 +359,8 @@ class ParquetFilesDatasource(FileRunsDatasource):
     def get_name(self) -> str:
         return "Parquet"
 
-    def _reader(self, paths: list[str]) -> Callable[[], Iterator[pa.Table]]:
-        return _ParquetRun(self._filesystem, self._schema, self._include_paths, paths)
+    def run_reader(self) -> ParquetRuns:
+        return ParquetRuns(self._filesystem, self._schema, self._include_paths)
 
     def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
         return BlockMetadata(
@@ -372,91 +369,3 @@ class ParquetFilesDatasource(FileRunsDatasource):
             input_files=tuple(path for path, _ in part),
             exec_stats=None,
         )
-
-
-class _ParquetRun:
-    """One read task's body: its files in order, whole row groups at a time."""
-
-    def __init__(
-        self,
-        filesystem: pafs.FileSystem,
-        schema: pa.Schema,
-        include_paths: bool,
-        paths: list[str],
-    ) -> None:
-        self._filesystem = filesystem
-        self._schema = schema
-        self._include_paths = include_paths
-        self._paths = paths
-
-    def __call__(self) -> Iterator[pa.Table]:
-        import pyarrow.parquet as pq
-
-        threads = decode_threads()
-        try:
-            for path in self._paths:
-                try:
-                    with self._filesystem.open_input_file(path) as f:
-                        parquet = pq.ParquetFile(f)
-                        present = [n for n in self._schema.names if n in parquet.schema_arrow.names]
-                        for groups in _row_group_runs(parquet.metadata):
-                            table = parquet.read_row_groups(
-                                groups, columns=present, use_threads=threads
-                            )
-                            yield conform(
-                                table, self._schema, path if self._include_paths else None
-                            )
-                except Exception as err:
-                    raise naming(err, path) from err
-        finally:
-            flush_cache(self._filesystem)  # the task's cache counters, once
-
-
-def _row_group_runs(metadata: pq.FileMetaData) -> Iterator[list[int]]:
-    """Consecutive row groups of about :data:`CHUNK_BYTES` (uncompressed) each."""
-    run: list[int] = []
-    size = 0
-    for index in range(metadata.num_row_groups):
-        run.append(index)
-        size += metadata.row_group(index).total_byte_size
-        if size >= CHUNK_BYTES:
-            yield run
-            run, size = [], 0
-    if run or metadata.num_row_groups == 0:
-        yield run
-
-
-def conform(table: pa.Table, schema: pa.Schema, path: str | None) -> pa.Table:
-    """``table`` with exactly ``schema``'s columns: missing ones null, others cast; plus ``path``."""
-    columns = []
-    for field in schema:
-        if field.name in table.column_names:
-            column = table.column(field.name)
-            columns.append(column if column.type == field.type else column.cast(field.type))
-        else:
-            columns.append(pa.nulls(table.num_rows, field.type))
-    out = pa.Table.from_arrays(columns, schema=schema)
-    if path is not None:
-        out = out.append_column("path", pa.array([path] * out.num_rows, type=pa.string()))
-    return out
-
-
-def decode_threads() -> bool:
-    """Whether a read here decodes columns on pyarrow's thread pool: only with over one CPU.
-
-    A read task (a Ray Data task, or a run on one of raydl's direct-path actors) is
-    one CPU's work, and Ray runs as many as the cluster has CPUs: pyarrow's pool,
-    sized to the whole machine, then only adds threads that compete for the same
-    cores (measured: two processes reading 32 files each on 2 cores spent 0.68-0.83
-    CPU-seconds each without the pool, 0.85-1.0 with it, and took as much longer).
-    A task given more than one CPU (``ray_remote_args={"num_cpus": 4}``), or a read
-    outside Ray, keeps the pool.
-    """
-    import ray
-
-    from raydl._internal.ray_compat.cluster import in_worker
-    from raydl._internal.runtime.cluster import is_connected
-
-    if not is_connected() or not in_worker():  # the trainer's process (or no Ray at all)
-        return True
-    return float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)) > 1

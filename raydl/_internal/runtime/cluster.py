@@ -46,10 +46,11 @@ JOINER_RECONNECT_TIMEOUT_S = 5
 #: Seconds the other ranks wait for rank 0 to start the embedded cluster and publish it.
 RANK0_START_TIMEOUT_S = 180
 #: What the worker processes of Ray Data work import as they start (``ensure_ray``'s
-#: ``preload``): raydl's direct actors and Ray Data's tasks unpickle the plan's Ray Data
-#: objects, which import ``ray.data`` (1.1 s in an actor on this project's 2-CPU
-#: machine, pandas included), so workers that import it while the script lists files and builds
-#: its loader are ready that much sooner (docs/design.md, "The cold path").
+#: ``preload``): Ray Data's tasks unpickle the plan's Ray Data objects, which import
+#: ``ray.data`` (1.1 s in an actor on this project's 2-CPU machine, pandas included), so
+#: workers that import it while the script builds its loader are ready that much sooner
+#: (docs/design.md, "The cold path"). Only for plans Ray Data runs: raydl's direct
+#: actors import no Ray Data, and an instance a raydl read starts preloads nothing.
 RAY_DATA_WORKERS = ("ray.data",)
 _CLUSTER_KEY = "cluster"
 
@@ -113,8 +114,8 @@ def ensure_ray_for_reads() -> None:
     meet over the process group, which a read on rank 0 alone would leave waiting
     forever: there a reader starts (or joins) a cluster as in one process, and a
     script that reads on every rank calls ``raydl.init()`` first (the loader's error
-    says so). An embedded instance started for reads by one process preloads Ray Data
-    in its workers (:data:`RAY_DATA_WORKERS`).
+    says so). An embedded instance started for reads preloads nothing in its workers:
+    a raydl read's plan usually runs on raydl's actors, which import no Ray Data.
     """
     from raydl._internal.ray_compat import context as data_context
 
@@ -123,7 +124,7 @@ def ensure_ray_for_reads() -> None:
     if world.is_distributed and starts_without_collectives(None, world):
         ensure_ray(world=world)
     else:
-        ensure_ray(preload=RAY_DATA_WORKERS)
+        ensure_ray()
 
 
 def begin_ray_for_reads() -> bool:
@@ -175,7 +176,7 @@ def reads_starting() -> bool:
 def _start_for_reads(release: Callable[[], None]) -> None:
     """:func:`begin_ray_for_reads`' thread: start the instance, then let Ray's auto-init go."""
     try:
-        ensure_ray(preload=RAY_DATA_WORKERS)
+        ensure_ray()
     except Exception:  # the next ensure_ray (a loader's iter()) tries again and raises it
         logging.getLogger(__name__).debug("raydl's start of Ray for reads failed", exc_info=True)
     finally:
