@@ -105,6 +105,7 @@ class RaySource(RankEpochs):
 
     #: Epochs of Ray Data plans always run on Ray.
     in_process = False
+
     @functools.cached_property
     def worker_modules(self) -> tuple[str, ...]:
         """What an embedded instance it starts has its workers import as they start.
