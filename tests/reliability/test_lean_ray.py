@@ -176,8 +176,13 @@ def test_ray_starts_no_worker_before_the_actors_and_under_torchrun_they_are_no_r
 
 
 @pytest.mark.timeout(360)
-def test_workers_of_an_instance_a_read_starts_import_ray_data_as_they_start() -> None:
-    """A plain task (which needs no Ray Data) finds it imported only where a read started Ray."""
+def test_workers_of_an_instance_a_read_starts_import_neither_ray_data_nor_torch() -> None:
+    """A plain task finds neither imported, whether a read or ``raydl.init()`` started Ray.
+
+    A raydl read's plan usually runs on raydl's actors, which import no Ray Data
+    (docs/design.md, "Actors without Ray Data"); until session 25 such an instance had
+    every worker import it as it started (``preload_python_modules``).
+    """
     read_first, init_first = _programs({"READ_FIRST": "1"}, {}, script=PRELOAD)
-    assert read_first["imported"] == [["ray.data"]] * 4  # and not torch
+    assert read_first["imported"] == [[]] * 4
     assert init_first["imported"] == [[]] * 4
