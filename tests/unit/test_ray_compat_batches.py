@@ -105,6 +105,40 @@ def test_plain_blocks_give_ray_datas_batches(
     _same(_mine(blocks(), batch_size, ensure_copy), _ray(blocks(), batch_size, ensure_copy))
 
 
+def test_whole_arrow_blocks_are_ray_datas_arrow_batches() -> None:
+    """``batch_format="pyarrow"`` (or ``None``) without a batch size: each non-empty table as it
+    is; a dict after the tables goes to Ray Data, which converts it."""
+    tables = [*_tables(), pa.table({})]
+    for batch_format in ("pyarrow", None):
+        with ours.RayData(None) as ray_data:
+            mine = list(
+                ours.batches(
+                    tables,
+                    batch_size=None,
+                    batch_format=batch_format,
+                    ensure_copy=False,
+                    ray_data=ray_data,
+                )
+            )
+        theirs = list(batch_blocks(iter(tables), batch_size=None, batch_format=batch_format))
+        assert len(mine) == len(theirs) == 3
+        assert all(a.equals(b) for a, b in zip(mine, theirs, strict=True))
+    table = pa.table({"x": np.arange(3, dtype=np.int64)})
+    mixed = [table, {"x": np.arange(4, dtype=np.int64)}]
+    with ours.RayData(None) as ray_data:
+        mine = list(
+            ours.batches(
+                mixed,
+                batch_size=None,
+                batch_format="pyarrow",
+                ensure_copy=False,
+                ray_data=ray_data,
+            )
+        )
+    assert [type(b) for b in mine] == [pa.Table, pa.Table]
+    assert mine[1].column("x").to_pylist() == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("batch_size", [None, 4])
 def test_a_block_it_does_not_batch_hands_the_rest_to_ray_data(batch_size: int | None) -> None:
     """Tensor columns (Ray's extension type), and a dict with an object column after plain
@@ -139,19 +173,36 @@ def test_whole_conversions_match_ray_data() -> None:
             ours.validate_output([1], ray_data)
 
 
+def _double_numpy(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"x": batch["x"] * 2}
+
+
+def _double_arrow(table: pa.Table) -> dict[str, np.ndarray]:
+    return {"x": table.column("x").to_numpy() * 2}
+
+
+@pytest.mark.parametrize(
+    ("fn", "batch_format", "batch_size", "cut"),
+    [
+        (_double_numpy, "numpy", 4, [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18]]),
+        (_double_arrow, "pyarrow", None, [list(range(0, 20, 2))]),
+    ],
+    ids=["numpy", "pyarrow"],
+)
 def test_an_actor_unpickles_and_runs_plain_work_without_importing_ray_data(
-    tmp_path: Path,
+    tmp_path: Path, fn: Any, batch_format: str, batch_size: int | None, cut: list[list[int]]
 ) -> None:
-    """An epoch's work (a parquet read, a numpy stage, the epoch's context), in a fresh process."""
+    """An epoch's work (a parquet read, a stage, the epoch's context), in a fresh process."""
     path = tmp_path / "part.parquet"
     pq.write_table(pa.table({"x": np.arange(10, dtype=np.int64)}), path)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stage, as __main__'s travel
     stage = Stage(
-        name="MapBatches(double)",
-        fn=lambda batch: {"x": batch["x"] * 2},
+        name=f"MapBatches({fn.__name__})",
+        fn=fn,
         fn_args=(),
         fn_kwargs={},
-        batch_size=4,
-        batch_format="numpy",
+        batch_size=batch_size,
+        batch_format=batch_format,
         zero_copy_batch=False,
     )
     schema = pq.read_schema(path)
@@ -162,12 +213,15 @@ def test_an_actor_unpickles_and_runs_plain_work_without_importing_ray_data(
         ours.LazyContext(DataContext.get_current()),
     )
     pickled = tmp_path / "work.pkl"
-    pickled.write_bytes(cloudpickle.dumps(work))
+    try:
+        pickled.write_bytes(cloudpickle.dumps(work))
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     code = (
         "import pickle, sys\n"
         f"work = pickle.loads(open({str(pickled)!r}, 'rb').read())\n"
         f"loaded = work.load([{str(path)!r}])\n"
-        "assert [b['x'].tolist() for b in loaded] == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18]]\n"
+        f"assert [b['x'].tolist() for b in loaded] == {cut!r}, loaded\n"
         "assert 'ray.data' not in sys.modules, 'Ray Data imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=90)

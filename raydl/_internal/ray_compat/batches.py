@@ -1,9 +1,11 @@
 """``map_batches``'s batching and conversions, to run stages outside Ray Data (direct execution).
 
 A direct-path run goes from a read's Arrow tables through each stage's function
-to numpy batches, as a Ray Data task would take it. The common case is done here
+to numpy batches, as a Ray Data task would take it. The common cases are done here
 without importing Ray Data (about 60 MB and a CPU-second per actor, pandas
-included): numpy batches (``batch_format="numpy"``, the default) of
+included): Arrow batches of whole Arrow blocks (``batch_format="pyarrow"`` without
+a batch size: each block as it is), and numpy batches (``batch_format="numpy"``,
+the default) of
 
 * Arrow tables whose columns Ray converts with pyarrow's own ``to_numpy``
   (numbers, strings, bytes, lists, timestamps: every type but Ray's extension
@@ -187,6 +189,9 @@ def batches(
             cut is the same).
     """
     source = iter(blocks)
+    if batch_format in ("pyarrow", None) and batch_size is None and not ensure_copy:
+        yield from _whole_tables(source, batch_format, ray_data)
+        return
     if batch_format != "numpy":
         yield from _ray_batches(source, batch_size, batch_format, ensure_copy, ray_data)
         return
@@ -213,6 +218,19 @@ def batches(
             rows -= batch_size
     if rows:
         yield _numpy_batch(_take(held, rows), ensure_copy, ray_data)
+
+
+def _whole_tables(source: Iterator[Any], batch_format: Any, ray_data: RayData) -> Iterator[Any]:
+    """Arrow blocks as Arrow batches, one per non-empty block: each block as it is (Ray's
+    ``to_batch_format("pyarrow")`` of a table is the table). From the first block that is
+    not a table on, Ray Data's (it would pass that block on converted)."""
+    for block in source:
+        if not isinstance(block, pa.Table):
+            rest = itertools.chain([block], source)
+            yield from _ray_batches(rest, None, batch_format, False, ray_data)
+            return
+        if block.num_columns and block.num_rows:  # Ray's batcher drops empty blocks
+            yield block
 
 
 def _take(held: list[tuple[Any, int]], count: int) -> list[Any]:
