@@ -8,6 +8,8 @@ No cluster: Ray Data's batching runs in this process.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +157,50 @@ def test_a_block_it_does_not_batch_hands_the_rest_to_ray_data(batch_size: int | 
     _same(_mine(mixed, batch_size, False), _ray(mixed, batch_size, False))
 
 
+def test_dicts_ray_would_convert_are_converted_by_ray_data() -> None:
+    """Complex numbers, another byte order and masked arrays become Python objects in Ray's
+    round trip, and a read-only boolean array a writable copy: those go to Ray Data."""
+    rows = 4
+    odd = [
+        {"c": np.arange(rows) * 1j},
+        {"big_endian": np.arange(rows, dtype=">i8")},
+        {"masked": np.ma.masked_array(np.arange(rows), mask=[0, 1, 0, 0])},
+        {"flags": np.broadcast_to(np.True_, (rows,))},
+    ]
+    for block in odd:
+        for batch_size in (None, 3):
+            _same(_mine([block], batch_size, False), _ray([block], batch_size, False))
+
+
+def test_a_table_with_a_repeated_column_name_fails_as_in_ray_data() -> None:
+    column = pa.array([1, 2])
+    table = pa.Table.from_arrays([column, column], names=["x", "x"])
+    with pytest.raises(KeyError, match="exists 2 times"):
+        _ray([table], None, False)
+    with pytest.raises(KeyError, match="exists 2 times"):
+        _mine([table], None, False)
+
+
+def test_a_context_with_user_configs_is_current_for_the_whole_load() -> None:
+    """A stage may read ``DataContext.get_current().get_config(...)``, as in Ray Data's tasks;
+    a context without configs is made current only when Ray Data's code runs."""
+    context = copy.deepcopy(DataContext.get_current())
+    context.set_config("raydl_test_key", 7)
+    travelled = pickle.loads(cloudpickle.dumps(ours.LazyContext(context)))
+    assert travelled.eager
+    previous = DataContext.get_current()
+    with ours.RayData(travelled):
+        assert DataContext.get_current().get_config("raydl_test_key") == 7
+    assert DataContext.get_current() is previous
+    plain = pickle.loads(cloudpickle.dumps(ours.LazyContext(copy.deepcopy(previous))))
+    assert not plain.eager
+    with ours.RayData(plain) as ray_data:
+        assert DataContext.get_current() is previous
+        ray_data.use()
+        assert DataContext.get_current() is not previous
+    assert DataContext.get_current() is previous
+
+
 def test_whole_conversions_match_ray_data() -> None:
     from ray.data.block import BlockAccessor
 
@@ -167,6 +213,7 @@ def test_whole_conversions_match_ray_data() -> None:
             "numpy"
         )
         _same([ours.to_numpy(output, ray_data)], [want])  # an object column: Ray's round trip
+        ours.validate_output(pa.table({"x": [1]}), ray_data)  # Ray's check lets a table pass
         with pytest.raises(ValueError, match="returned a value of type"):
             ours.validate_output(3, ray_data)
         with pytest.raises(ValueError, match="Returning a list of objects"):
@@ -181,13 +228,18 @@ def _double_arrow(table: pa.Table) -> dict[str, np.ndarray]:
     return {"x": table.column("x").to_numpy() * 2}
 
 
+def _same_table(table: pa.Table) -> pa.Table:
+    return table
+
+
 @pytest.mark.parametrize(
     ("fn", "batch_format", "batch_size", "cut"),
     [
         (_double_numpy, "numpy", 4, [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18]]),
         (_double_arrow, "pyarrow", None, [list(range(0, 20, 2))]),
+        (_same_table, "pyarrow", None, [list(range(10))]),
     ],
-    ids=["numpy", "pyarrow"],
+    ids=["numpy", "pyarrow", "pyarrow_table_out"],
 )
 def test_an_actor_unpickles_and_runs_plain_work_without_importing_ray_data(
     tmp_path: Path, fn: Any, batch_format: str, batch_size: int | None, cut: list[list[int]]

@@ -8,6 +8,7 @@ that starts them, as ``ray.init`` would. Linux only, as the watcher is.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import subprocess
 import sys
@@ -40,9 +41,9 @@ def _program(ray_dir: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, str(ray_dir / f"{name}.py"), *args])
 
 
-def _session(ray_dir: Path, driver: int = 19347) -> Path:
-    """A session folder, named as Ray names them (after the process that started it)."""
-    session = ray_dir.parent / f"session_2026-12-03_16-29-08_485884_{driver}"
+def _session(ray_dir: Path, driver: int = 19347, named: str = "2026-12-03_16-29-08_485884") -> Path:
+    """A session folder, named as Ray names them: when, and after the process that started it."""
+    session = ray_dir.parent / f"session_{named}_{driver}"
     (session / "logs").mkdir(parents=True, exist_ok=True)
     return session
 
@@ -186,21 +187,30 @@ def test_a_driver_dead_before_the_watcher_saw_its_instance_leaves_no_ray_process
     """A trainer killed within one look of its GCS's start (seen once: a Ctrl-C test left a
     ``ray::RuntimeEnvAgent``): the watcher followed nothing and knows no session, and the
     agent, reparented and retitled, is no one's descendant. Ray names the session after
-    its driver, so the session's agent is killed; another driver's session's is not."""
+    its driver and the time, so the session's agent is killed; not one of another driver's
+    session, nor one of a session named after the same pid before the driver began (a
+    ``ray start`` whose pid the driver reuses, its cluster still running)."""
+    older = datetime.datetime.now() - datetime.timedelta(seconds=5)
     driver = subprocess.Popen([sys.executable, "-c", SLEEPER])
     started: list[reaper.Proc] = []
     try:
         watcher = reaper.start(driver.pid, str(ray_dir), set())
         assert watcher is not None
         holder = _holder(tmp_path)
-        mine = _session(ray_dir, driver.pid) / "logs" / "runtime_env_agent.log"
-        other = _session(ray_dir, driver.pid + 1) / "logs" / "runtime_env_agent.log"
+        now = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+        log = Path("logs") / "runtime_env_agent.log"
+        mine = _session(ray_dir, driver.pid, now) / log
+        other = _session(ray_dir, driver.pid + 1, now) / log
+        before = _session(ray_dir, driver.pid, older.strftime("%Y-%m-%d_%H-%M-%S_%f")) / log
         agent = _orphan(started, mine, "ray::RuntimeEnvAgent", str(holder))
-        stranger = _orphan(started, other, "ray::RuntimeEnvAgent", str(holder))
+        strangers = [
+            _orphan(started, held, "ray::RuntimeEnvAgent", str(holder)) for held in (other, before)
+        ]
         _stopped(driver)
         assert watcher.wait(timeout=10) == 0
         assert reaper._stat(agent) is None, "the dead driver's agent survived"
-        assert reaper._stat(stranger) is not None, "another driver's Ray process was killed"
+        for stranger in strangers:
+            assert reaper._stat(stranger) is not None, "another instance's Ray process was killed"
     finally:
         _stopped(driver)
         _kill_all(started)

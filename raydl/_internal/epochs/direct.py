@@ -369,6 +369,8 @@ class RunLoader:
         if work is None:
             try:
                 work = ray.get(ref)
+                if work.context.eager:  # user configs, which may name the user's modules
+                    work.context.get()
             except Exception as err:  # not cached: the next request tries again
                 return failed_reply(task, _unpickling_failed(err))
             self._works = {ref: work, **dict(list(self._works.items())[:1])}  # this + one more

@@ -58,9 +58,12 @@ class LazyContext:
 
         self._pickled = ray.cloudpickle.dumps(context)
         self._context: Any = context
+        #: Whether the user set configs (``set_config``) that a stage may read: then the
+        #: context is made current for a whole load, as in Ray Data's own tasks.
+        self.eager = bool(getattr(context, "_kv_configs", None))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_pickled": self._pickled, "_context": None}
+        return {**self.__dict__, "_context": None}
 
     def get(self) -> Any:
         """The context (this process's own object where it was made)."""
@@ -73,7 +76,8 @@ class RayData:
     """Ray Data's conversions for one load, with ``context`` current once one is used.
 
     ``context``: ``None`` leaves the process's current context alone (the training
-    process, whose other threads may read it). Close it (or use it as a context
+    process, whose other threads may read it); one with user configs
+    (:attr:`LazyContext.eager`) is made current at once. Close it (or use it as a context
     manager) to put the previous context back.
     """
 
@@ -81,6 +85,8 @@ class RayData:
         self._context = context
         self._previous: Any = None
         self._entered = False
+        if context is not None and context.eager:
+            self.use()
 
     def use(self) -> None:
         """Import Ray Data and make the context current, once."""
@@ -106,12 +112,25 @@ class RayData:
 
 
 def _numeric(output: Any) -> bool:
-    """A non-empty dict of numeric arrays of one length: Ray's round trip gives it back as it is."""
+    """A non-empty dict of numeric arrays of one length: Ray's round trip gives it back as it is.
+
+    Plain arrays (not masked ones) of booleans, integers or floats in native byte order:
+    Ray's Arrow conversion keeps those (complex numbers and other byte orders become
+    Python objects there). A read-only boolean array is left to Ray, whose conversion of
+    booleans copies (its batch is writable).
+    """
     if type(output) is not dict or not output:
         return False
     columns = list(output.values())
     return (
-        all(isinstance(c, np.ndarray) and c.ndim and c.dtype.kind in "biufc" for c in columns)
+        all(
+            type(c) is np.ndarray
+            and c.ndim
+            and c.dtype.kind in "biuf"
+            and c.dtype.isnative
+            and (c.flags.writeable or c.dtype.kind != "b")
+            for c in columns
+        )
         and len({len(c) for c in columns}) == 1
     )
 
@@ -121,9 +140,8 @@ def _plain_type(kind: pa.DataType) -> bool:
 
 
 def _arrow_to_numpy(table: pa.Table) -> dict[str, np.ndarray] | None:
-    """``table`` as Ray's numpy batch of it, by Ray's own calls, or ``None`` where Ray does more."""
-    if not table.num_columns or not all(_plain_type(f.type) for f in table.schema):
-        return None
+    """``table`` (of plain columns, :func:`_kind`) as Ray's numpy batch of it, by Ray's own
+    calls, or ``None`` where Ray does more."""
     out = {}
     for name, column in zip(table.column_names, table.columns, strict=True):
         if column.num_chunks > 1:  # Ray's combine_chunked_array; one chunk stays as it is
@@ -144,7 +162,12 @@ def _kind(block: Any) -> Any:
     past the first axis.
     """
     if isinstance(block, pa.Table):
-        plain = block.num_columns and all(_plain_type(field.type) for field in block.schema)
+        names = block.column_names
+        plain = (
+            names
+            and len(set(names)) == len(names)  # Ray refuses a repeated name
+            and all(_plain_type(field.type) for field in block.schema)
+        )
         return block.schema if plain else None
     if _numeric(block):
         return tuple((name, c.dtype, c.shape[1:]) for name, c in block.items())
@@ -325,10 +348,12 @@ def to_numpy(output: Any, ray_data: RayData) -> dict[str, np.ndarray]:
 def validate_output(output: Any, ray_data: RayData) -> None:
     """Raise Ray Data's own error if ``output`` is not what a ``map_batches`` function may return.
 
-    A dict of numpy arrays passes Ray's check; anything else is checked by Ray Data's
-    ``_validate_batch_output``.
+    An Arrow table or a dict of numpy arrays passes Ray's check; anything else is checked
+    by Ray Data's ``_validate_batch_output``.
     """
-    if type(output) is dict and all(isinstance(c, np.ndarray) for c in output.values()):
+    if isinstance(output, pa.Table) or (
+        type(output) is dict and all(isinstance(c, np.ndarray) for c in output.values())
+    ):
         return
     ray_data.use()
     from ray.data._internal.planner.plan_udf_map_op import _validate_batch_output

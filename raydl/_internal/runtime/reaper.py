@@ -163,10 +163,13 @@ def _named_after(driver: Proc, ray_dir: str) -> set[bytes]:
     of its GCS's start leaves this watcher without the session's name (nothing followed),
     and its Ray processes, reparented, are no one's descendants; they still name the
     session, on their command line or (retitled) in the files they hold open. Only Ray
-    processes started since the driver count: a reused pid's are not its.
+    processes started since the driver count, and only sessions named since it began:
+    an instance that a process with the same pid started before (``ray start``, its
+    cluster still running) is not its.
     """
     marker = os.path.join(ray_dir, "").encode()
     pid = str(driver[0]).encode()
+    since = _wall_time(driver[1]) - 1.0  # a session named before the driver began is not its
     found: set[bytes] = set()
     for other, (_, start) in _table().items():
         line = _cmdline(other)
@@ -175,9 +178,23 @@ def _named_after(driver: Proc, ray_dir: str) -> set[bytes]:
             continue
         for text in [line, *(_open_paths(other) if retitled else [])]:
             for match in _SESSION.finditer(text):
-                if match.group().endswith(b"_" + pid) and _mentions(text, match.group()):
-                    found.add(match.group())
+                name = match.group()
+                if name.endswith(b"_" + pid) and _mentions(text, name) and _named_at(name) >= since:
+                    found.add(name)
     return found
+
+
+def _wall_time(ticks: int) -> float:
+    """A process's start (clock ticks since boot, ``/proc/<pid>/stat``) as seconds since the epoch."""
+    with open("/proc/stat", "rb") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _named_at(session: bytes) -> float:
+    """When Ray named ``session`` (``/session_<date>_<time>_<usec>_<pid>``, local time)."""
+    date, clock, usec = session.decode().split("_")[1:4]
+    return time.mktime(time.strptime(f"{date} {clock}", "%Y-%m-%d %H-%M-%S")) + int(usec) / 1e6
 
 
 def _is_core(pid: int) -> bool:
