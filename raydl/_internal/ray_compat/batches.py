@@ -299,21 +299,18 @@ def _ray_batches(
     ensure_copy: bool,
     ray_data: RayData,
 ) -> Iterator[Any]:
-    """Ray Data's ``batch_blocks`` (its blocks: Arrow or pandas, dicts converted by Ray)."""
+    """Ray Data's ``batch_blocks`` over ``blocks``: Ray's blocks, and the numeric dicts
+    :func:`to_block` kept, which Ray converts here."""
     ray_data.use()
     from ray.data._internal.block_batching.block_batching import batch_blocks
     from ray.data.block import BlockAccessor
 
     return batch_blocks(
-        (block if _is_block(block) else BlockAccessor.batch_to_block(block) for block in blocks),
+        (BlockAccessor.batch_to_block(b) if type(b) is dict else b for b in blocks),
         batch_size=batch_size,
         batch_format=batch_format,
         ensure_copy=ensure_copy,
     )
-
-
-def _is_block(block: Any) -> bool:
-    return isinstance(block, pa.Table) or type(block).__name__ == "DataFrame"
 
 
 def to_block(output: Any, ray_data: RayData) -> Any:
