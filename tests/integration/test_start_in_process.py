@@ -71,3 +71,27 @@ def test_with_the_option_off_every_batch_loads_on_the_actors() -> None:
     finally:
         loader.close()
     assert os.getpid() not in pids
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_with_auto_the_first_batches_load_here_as_worker_0_in_torchs_order(
+    persistent: bool,
+) -> None:
+    args = {"batch_size": 4, "shuffle": True, "persistent_workers": persistent}
+    torch.manual_seed(5)
+    loader = RayDataLoader(RandomDraws(), **args, num_workers="auto", cpu_budget=2)
+    try:
+        ours = _epochs(loader, until_on_actors=True, most=40, step_s=0.02)
+        summaries = [epoch.get("ray_data") for epoch in loader.stats()["epochs"]]
+    finally:
+        loader.close()
+    torch.manual_seed(5)
+    theirs = _epochs(DataLoader(RandomDraws(), **args, num_workers=2), False, len(ours), 0)
+    mine_here = [[bool((b["pid"] == os.getpid()).all()) for b in epoch] for epoch in ours]
+    assert any(mine_here[0]) and not any(mine_here[-1]), summaries
+    for epoch, torchs in zip(ours, theirs, strict=True):
+        assert [b["index"].tolist() for b in epoch] == [b["index"].tolist() for b in torchs]
+    # The trainer stood in for worker 0 alone: the one the rule starts with.
+    batches_here = [b for e in ours for b in e if (b["pid"] == os.getpid()).all()]
+    assert {w for b in batches_here for w in b["worker"].tolist()} == {0}

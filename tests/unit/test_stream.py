@@ -707,7 +707,9 @@ class ReadyCalls(FakeCalls):
         return ref
 
 
-def _map_style_epoch(calls: ReadyCalls, stand_ins: StandIns, batches: int) -> list[Any]:
+def _map_style_epoch(
+    calls: ReadyCalls, stand_ins: StandIns, batches: int, tuner: Any = None
+) -> list[Any]:
     from raydl._internal.stream.dispatch import ActorStart
     from raydl._internal.stream.pool_producers import MapStyleProducer
 
@@ -715,9 +717,10 @@ def _map_style_epoch(calls: ReadyCalls, stand_ins: StandIns, batches: int) -> li
     producer = MapStyleProducer(
         FakePool(2),
         iter(range(batches)),
-        lookahead=4,
+        lookahead=4 if tuner is None else tuner.depth,
         in_order=True,
         calls=calls,
+        tuner=tuner,
         here=stand_ins,  # type: ignore[arg-type]
         start_of=lambda pool: start,
     )
@@ -746,6 +749,29 @@ def test_map_style_first_batches_load_on_the_trainers_thread_as_the_worker_torch
         mine = [(method, arg) for actor, method, arg in fetches if actor == f"w{worker}"]
         assert mine[0] == ("continue_from", f"rng{worker}")
         assert [arg for _, arg in mine[1:]] == list(range(here + (worker - here) % 2, 40, 2))
+
+
+def test_with_auto_the_trainer_stands_in_for_worker_0_and_the_rule_measures_the_actors_only() -> (
+    None
+):
+    from raydl._internal.stream.autotune import AutoTuner
+
+    stand_ins, calls = StandIns(2), ReadyCalls(start_s=0.3)
+    tuner = AutoTuner(budget=2, workers=1, factor=2, auto_workers=True, auto_factor=False)
+    got = _map_style_epoch(calls, stand_ins, batches=40, tuner=tuner)
+    here = len(stand_ins.loads)
+    assert 0 < here < 40
+    assert [(i, w) for i, w, _ in stand_ins.loads] == [(i, 0) for i in range(here)]
+    assert got[:here] == [f"{k}@here0" for k in range(here)]
+    assert [int(batch.split("@")[0]) for batch in got] == list(range(40))  # each once, in order
+    assert all(batch.split("@")[1] in ("w0", "w1") for batch in got[here:])
+    # Worker 0's actor goes on from the trainer's RNG states, before its first batch.
+    fetches = [(actor, method, arg) for actor, method, arg in calls.methods if method != "ready"]
+    assert fetches[0] == ("w0", "continue_from", "rng0")
+    assert [method for _, method, _ in fetches].count("continue_from") == 1
+    # The rule saw the actors' batches only (the takes of the last batches in flight may
+    # come after the fetch thread ended).
+    assert 40 - here - tuner.max_depth <= tuner._batch <= 40 - here
 
 
 def test_map_style_epoch_shorter_than_the_actors_start_loads_all_here_and_hands_nothing_over() -> (

@@ -259,7 +259,7 @@ class TorchSource:
         base_seed = self._epoch_seed(resume)
         skip = resume.batches_consumed if resume is not None else 0
         here = index_iter is not None and self._may_load_here(lookahead)
-        if here and self._startup is not None and not self._startup.done:
+        if here and self._startup is not None and not self._startup.done and self._spec_known():
             assert index_iter is not None
             starting = self._before_the_pool(epoch, base_seed, skip_consumed(index_iter, skip))
             if starting is not None:
@@ -397,20 +397,29 @@ class TorchSource:
     def _may_load_here(self, lookahead: int) -> bool:
         """Whether a map-style epoch may load batches here while its actors start.
 
-        Not with a ``worker_init_fn`` (it would run in the trainer), ``num_workers="auto"``
-        or ``prefetch_factor="auto"`` (the rule starts its first worker at once),
-        torch's ``timeout`` (it starts the workers first), nor a device copy stage
-        (``lookahead > 0``: that stage takes the batches on its own thread, and the
-        stand-ins must load on the trainer's).
+        Not with a ``worker_init_fn`` (it would run in the trainer), torch's ``timeout``
+        (it starts the workers first), nor a device copy stage (``lookahead > 0``: that
+        stage takes the batches on its own thread, and the stand-ins must load on the
+        trainer's).
         """
         settings = self._settings
         return (
             settings.start_in_process
             and settings.worker_init_fn is None
-            and not self._auto
             and settings.timeout == 0
             and lookahead == 0
         )
+
+    def _spec_known(self) -> bool:
+        """Whether the workers' spec can be made before Ray is up.
+
+        ``num_workers="auto"``'s worker count (which ``get_worker_info()`` reports) is
+        the cluster's CPUs less one per rank unless a CPU budget is given: until Ray
+        is up, its epochs wait for the pool, and load here only while its actors start.
+        """
+        if not self._args.auto_workers or self._budget is not None:
+            return True
+        return bool(self._settings.cpu_budget or cpu_budget_default())
 
     def _before_the_pool(
         self, epoch: int, base_seed: int, index_iter: Iterator[Any]
@@ -427,24 +436,28 @@ class TorchSource:
             return None
         taken: list[WorkerPool] = []
 
-        def acquire() -> WorkerPool | None:
+        def acquire() -> tuple[WorkerPool, AutoTuner | None] | None:
             if self._startup is not None and not self._startup.done:
                 return None
             self._connect()
             pool, _ = self._epoch_pool(base_seed)
             taken.append(pool)
-            return pool
+            self._last_tuner = tuner = self._tuners.get(pool)
+            return pool, tuner
 
         def release() -> None:
             if taken and not settings.persistent_workers:
                 self._park(taken[0])
 
+        # With "auto", the rule's settings until the pool brings its own rule (the same).
+        tuner = self._new_tuner(stand_ins.spec) if self._auto else None
         return MapStyleProducer(
             None,
             index_iter,
-            lookahead=settings.prefetch * stand_ins.spec.num_workers,
+            lookahead=tuner.depth if tuner else settings.prefetch * stand_ins.spec.num_workers,
             in_order=settings.in_order,
             on_close=release,
+            tuner=tuner,
             epoch=epoch,
             here=stand_ins,
             start_of=self._first.actor_start,

@@ -112,12 +112,17 @@ class _Taken:
 
 
 class _PoolReady:
-    """The trainer's message that the epoch's pool exists now (its start ended)."""
+    """The trainer's message that the epoch's pool exists now (its start ended), with its rule."""
 
-    __slots__ = ("pool",)
+    __slots__ = ("pool", "tuner")
 
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
+    def __init__(self, pool: Pool, tuner: AutoTuner | None) -> None:
+        self.pool, self.tuner = pool, tuner
+
+
+#: Batches handed to the trainer to load and not loaded yet, at most: once the actors
+#: answer, the trainer loads these before they take over.
+HERE_AHEAD = 2
 
 
 #: The trainer's message that it loaded one of the batches handed to it to load.
@@ -156,13 +161,16 @@ class MapStyleProducer(PoolProducer):
     With ``here`` (the pool's :class:`~raydl._internal.workers.emulated.EmulatedWorkers`)
     and ``start_of`` (a pool's :class:`ActorStart`), the first batches load in the trainer
     while the actors start: until the pool exists (``pool=None``: the trainer's
-    ``acquire()`` returns it once the loader's start has made it; it may raise that
-    start's error) and every actor answered ``ready``, the fetch thread hands each
-    request over as a :class:`LoadHere`, which :meth:`deliver` loads on the
-    trainer's thread as worker ``k % num_workers`` would. Then it holds the requests
-    until the trainer has loaded those, hands each worker's RNG states to its actor
-    (``continue_from``) and sends the rest round-robin from the next worker on, so
-    every batch comes from the worker torch would have used, with the same draws.
+    ``acquire()`` returns it and its rule once the loader's start has made it; it may
+    raise that start's error) and every actor answered ``ready``, the fetch thread
+    hands the requests over in order, :data:`HERE_AHEAD` at a time, each as a
+    :class:`LoadHere`, which :meth:`deliver` loads on the trainer's thread as worker
+    ``k % num_workers`` would. Then it holds the requests until the trainer has loaded
+    those, hands each worker's RNG states to its actor (``continue_from``) and sends
+    the rest round-robin from the next worker on, so every batch comes from the
+    worker torch would have used, with the same draws. With a ``tuner`` the
+    trainer stands in for the rule's first worker alone (worker 0: which worker loads
+    a batch is the rule's anyway), and the rule starts measuring at the hand-over.
     """
 
     def __init__(
@@ -178,10 +186,9 @@ class MapStyleProducer(PoolProducer):
         epoch: int = 0,
         here: EmulatedWorkers | None = None,
         start_of: Callable[[Any], ActorStart] | None = None,
-        acquire: Callable[[], Pool | None] | None = None,
+        acquire: Callable[[], tuple[Pool, AutoTuner | None] | None] | None = None,
     ) -> None:
         super().__init__(on_close)
-        assert tuner is None or here is None, "num_workers='auto' starts on its actors"
         self.handoff = Handoff()  # bounded by the requests the trainer makes
         self._index_iter = index_iter
         self._in_order = in_order
@@ -193,40 +200,44 @@ class MapStyleProducer(PoolProducer):
         self._dispatch: Dispatcher | None = None
         self._here = here if start_of is not None else None  # the fetch thread's, once started
         self._stand_ins = self._here  # the trainer's
+        # The workers the trainer loads as, in turn: torch's round-robin, or the rule's first.
+        self._here_width = 1 if tuner is not None or here is None else here.spec.num_workers
         self._start_of = start_of
         self.loaded_here = 0  # batches the trainer loaded (its thread)
         self._acquire = acquire
         self._handed_here = 0  # LoadHere items handed over (fetch thread)
         self._loaded_here = 0  # of which the trainer said it loaded (fetch thread)
-        self._tuner = tuner
+        self._tuner = tuner  # the fetch thread's (the pool's own replaces it at _PoolReady)
+        self._measured = tuner is not None  # the trainer's: tell the fetch thread each wait
+        self._epoch = epoch
         self._held: deque[Any] = deque()  # requests not sent yet (the tuner's depth)
-        self._sent = self._taken = 0
+        self._takes = 0  # batches the trainer took (the first `_handed_here` it loaded)
+        self._sent = self._taken = 0  # requests sent to the actors, and of those taken
         self._extra = 0  # requests a device copy stage holds, on top of the tuner's depth
         self._starting: deque[tuple[int, Any]] = deque()  # (worker id, its `ready` reply)
         self._asked = 0
-        if pool is not None:
-            self._set_pool(pool)
         if tuner is not None:
-            assert self._dispatch is not None
-            tuner.start_epoch(epoch)
-            self._dispatch.width = tuner.workers
-            self._asked = tuner.workers  # the next worker to ask `ready` of, once wanted
             self._extra = max(0, lookahead - tuner.depth)
             lookahead = tuner.max_depth + self._extra
+        if pool is not None:
+            self._set_pool(pool, tuner)
         for _ in range(max(1, lookahead)):
             self._request()
         self.handoff.start(
             self._loop, name="raydl-map-style-fetcher", describe_error=in_torch_words
         )
 
-    def _set_pool(self, pool: Pool) -> None:
+    def _set_pool(self, pool: Pool, tuner: AutoTuner | None) -> None:
         self._pool = pool
+        if tuner is not None:
+            self._tuner = tuner
         if self._here is None:
-            self._dispatch = self._dispatcher(first_worker=0)
+            self._start_dispatch(first_worker=0)
 
-    def _dispatcher(self, first_worker: int) -> Dispatcher:
+    def _start_dispatch(self, first_worker: int) -> None:
+        """Requests go to the actors from now on; the rule, if any, measures from here."""
         assert self._pool is not None
-        return Dispatcher(
+        self._dispatch = Dispatcher(
             self._pool,
             self._calls,
             method="fetch",
@@ -234,6 +245,11 @@ class MapStyleProducer(PoolProducer):
             between=self._between,
             first_worker=first_worker,
         )
+        tuner = self._tuner
+        if tuner is not None:
+            tuner.start_epoch(self._epoch)
+            self._dispatch.width = tuner.workers
+            self._asked = tuner.workers  # the next worker to ask `ready` of, once wanted
 
     def summary(self) -> str | None:
         if not self.loaded_here:
@@ -244,10 +260,10 @@ class MapStyleProducer(PoolProducer):
 
     def deliver(self, item: Any) -> Any:
         if self._acquire is not None:
-            pool = self._acquire()  # raises the start's error
-            if pool is not None:
+            acquired = self._acquire()  # raises the start's error
+            if acquired is not None:
                 self._acquire = None
-                self._requests.put(_PoolReady(pool))
+                self._requests.put(_PoolReady(*acquired))
         if not isinstance(item, LoadHere):
             return item
         assert self._stand_ins is not None
@@ -257,7 +273,7 @@ class MapStyleProducer(PoolProducer):
         return ItemError(batch) if isinstance(batch, RemoteError) else batch
 
     def taken(self, waited: float) -> None:
-        if self._tuner is not None:
+        if self._measured:
             self._requests.put(_Taken(waited, time.perf_counter()))
         self._request()  # torch draws the next indices once a batch has arrived
 
@@ -296,6 +312,7 @@ class MapStyleProducer(PoolProducer):
             self._check_stop()  # closing: start no more tasks
             self._tune()
             self._leave_here()
+            self._hand_here()
             if self._dispatch:
                 block = False  # requests in flight: the caller collects them
             if self._requests_ended and not self._held:
@@ -311,24 +328,21 @@ class MapStyleProducer(PoolProducer):
                     continue  # held requests wait for the trainer's loads
                 return
             if isinstance(message, _Taken):
-                self._taken += 1
-                assert self._tuner is not None
-                self._tuner.observe(waited=message.waited, at=message.at)
-                self._send_held()
+                self._takes += 1
+                if self._takes > self._handed_here:  # not one the trainer loaded itself
+                    self._taken += 1
+                    assert self._tuner is not None
+                    self._tuner.observe(waited=message.waited, at=message.at)
             elif isinstance(message, _PoolReady):
-                self._set_pool(message.pool)
+                self._set_pool(message.pool, message.tuner)
             elif message is _LOADED_HERE:
                 self._loaded_here += 1
             elif message is END_OF_REQUESTS:
                 self._requests_ended = True
-            elif self._loads_here():
-                assert self._here is not None
-                worker_id = self._handed_here % self._here.spec.num_workers
-                self._handed_here += 1
-                self.handoff.put(LoadHere(message, worker_id))
             else:
                 self._held.append(message)
-                self._send_held()
+            self._hand_here()
+            self._send_held()
             block = False
 
     def _send_held(self) -> None:
@@ -343,7 +357,7 @@ class MapStyleProducer(PoolProducer):
 
     def _loads_here(self) -> bool:
         """Whether the next request goes to the trainer: the pool's actors still start."""
-        if self._here is None or self._held:
+        if self._here is None:
             return False
         if self._pool is None:
             return True
@@ -362,19 +376,27 @@ class MapStyleProducer(PoolProducer):
         for worker_id, states in here.handover().items():
             if worker_id < len(actors):
                 self._calls.submit(actors[worker_id], "continue_from", states)
-        self._dispatch = self._dispatcher(first_worker=self._handed_here % here.spec.num_workers)
         self._here = None
+        self._start_dispatch(first_worker=self._handed_here % self._here_width)
         self._send_held()
+
+    def _hand_here(self) -> None:
+        """While the actors start, hand the held requests to the trainer, in order."""
+        while (
+            self._held and self._handed_here - self._loaded_here < HERE_AHEAD and self._loads_here()
+        ):
+            worker_id = self._handed_here % self._here_width
+            self._handed_here += 1
+            self.handoff.put(LoadHere(self._held.popleft(), worker_id))
 
     # -- num_workers="auto" -----------------------------------------------------------
 
     def _tune(self) -> None:
         """Start the workers the rule asks for; admit each one that answers, in id order."""
-        tuner = self._tuner
-        if tuner is None:
-            return
-        pool, dispatch = self._pool, self._dispatch
-        assert pool is not None and dispatch is not None
+        tuner, pool, dispatch = self._tuner, self._pool, self._dispatch
+        if tuner is None or dispatch is None:
+            return  # no rule, or the trainer still loads the first batches
+        assert pool is not None
         while len(pool.actors) < tuner.started:
             pool.add()  # type: ignore[attr-defined]  # a WorkerPool
         actors = pool.actors  # once: kill() may swap the list meanwhile

@@ -22,8 +22,8 @@ process (``os._exit``, a segfault) takes the trainer down; state the dataset kee
 on itself (a cache) stays with the stand-in's copy. Where it is not done
 (``TorchSource._may_load_here``): with a ``worker_init_fn`` (it would run in the
 trainer, where ``torch.set_num_threads`` or a global seed would change the training
-process), ``num_workers="auto"`` or ``prefetch_factor="auto"``, torch's ``timeout``
-and a device copy stage.
+process), torch's ``timeout`` and a device copy stage. With ``num_workers="auto"``
+the trainer stands in for worker 0 alone (``MapStyleProducer``).
 """
 
 from __future__ import annotations
