@@ -57,9 +57,9 @@ class LoaderOptions:
             runs of files (a run is a pure function of its files). For map-style
             torch datasets: each batch as the worker torch would have used (its own
             copy of the dataset, its RNG states, ``get_worker_info()``), whose actor
-            then goes on from those RNG states; not with a ``worker_init_fn``,
-            ``num_workers="auto"``, ``prefetch_factor="auto"``, ``timeout`` or
-            ``device``. The batches are the
+            then goes on from those RNG states (with ``num_workers="auto"``: as
+            worker 0, the rule's first); not with a ``worker_init_fn``, ``timeout``
+            or ``device``. The batches are the
             same either way. That code runs in the training process, as with
             ``num_workers=0``: a function that kills its process (``os._exit``, a
             segfault in a decoder) takes the trainer with it there, where an actor

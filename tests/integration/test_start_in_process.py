@@ -37,21 +37,29 @@ def _epochs(loader: Any, until_on_actors: bool, most: int, step_s: float) -> lis
     return epochs
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("persistent", [True, False])
-def test_batches_loaded_here_then_on_the_actors_are_torchs_random_draws_too(
-    persistent: bool,
-) -> None:
-    args = {"batch_size": 4, "shuffle": True, "num_workers": 2, "persistent_workers": persistent}
-    torch.manual_seed(11)
-    loader = RayDataLoader(RandomDraws(), **args)
+def _until_on_actors_and_torchs(
+    seed: int, args: dict[str, Any], **raydl_only: Any
+) -> tuple[list[list[Any]], list[list[Any]], list[Any]]:
+    """``RandomDraws`` epochs until the actors took over, torch's same epochs (2 workers), stats."""
+    torch.manual_seed(seed)
+    loader = RayDataLoader(RandomDraws(), **args, **raydl_only)
     try:
         ours = _epochs(loader, until_on_actors=True, most=40, step_s=0.02)
         summaries = [epoch.get("ray_data") for epoch in loader.stats()["epochs"]]
     finally:
         loader.close()
-    torch.manual_seed(11)
-    theirs = _epochs(DataLoader(RandomDraws(), **args), False, most=len(ours), step_s=0)
+    torch.manual_seed(seed)
+    theirs = _epochs(DataLoader(RandomDraws(), **args, num_workers=2), False, len(ours), 0)
+    return ours, theirs, summaries
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_batches_loaded_here_then_on_the_actors_are_torchs_random_draws_too(
+    persistent: bool,
+) -> None:
+    args = {"batch_size": 4, "shuffle": True, "persistent_workers": persistent}
+    ours, theirs, summaries = _until_on_actors_and_torchs(11, args, num_workers=2)
     loaded_here = [sum(int((b["pid"] == os.getpid()).all()) for b in e) for e in ours]
     assert loaded_here[0] > 0, summaries  # the actors were still starting
     assert loaded_here[-1] == 0, summaries  # ... and then took over
@@ -79,15 +87,7 @@ def test_with_auto_the_first_batches_load_here_as_worker_0_in_torchs_order(
     persistent: bool,
 ) -> None:
     args = {"batch_size": 4, "shuffle": True, "persistent_workers": persistent}
-    torch.manual_seed(5)
-    loader = RayDataLoader(RandomDraws(), **args, num_workers="auto", cpu_budget=2)
-    try:
-        ours = _epochs(loader, until_on_actors=True, most=40, step_s=0.02)
-        summaries = [epoch.get("ray_data") for epoch in loader.stats()["epochs"]]
-    finally:
-        loader.close()
-    torch.manual_seed(5)
-    theirs = _epochs(DataLoader(RandomDraws(), **args, num_workers=2), False, len(ours), 0)
+    ours, theirs, summaries = _until_on_actors_and_torchs(5, args, num_workers="auto", cpu_budget=2)
     mine_here = [[bool((b["pid"] == os.getpid()).all()) for b in epoch] for epoch in ours]
     assert any(mine_here[0]) and not any(mine_here[-1]), summaries
     for epoch, torchs in zip(ours, theirs, strict=True):

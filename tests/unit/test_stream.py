@@ -751,13 +751,31 @@ def test_map_style_first_batches_load_on_the_trainers_thread_as_the_worker_torch
         assert [arg for _, arg in mine[1:]] == list(range(here + (worker - here) % 2, 40, 2))
 
 
+def _recording_tuner(**args: Any) -> Any:
+    """An ``AutoTuner`` that records its epoch starts and observations, in order."""
+    from raydl._internal.stream.autotune import AutoTuner
+
+    class Recording(AutoTuner):
+        def __init__(self) -> None:
+            super().__init__(**args)
+            self.events: list[str] = []
+
+        def start_epoch(self, epoch: int) -> None:
+            self.events.append("start")
+            super().start_epoch(epoch)
+
+        def observe(self, *, waited: float, at: float) -> None:
+            self.events.append("observe")
+            super().observe(waited=waited, at=at)
+
+    return Recording()
+
+
 def test_with_auto_the_trainer_stands_in_for_worker_0_and_the_rule_measures_the_actors_only() -> (
     None
 ):
-    from raydl._internal.stream.autotune import AutoTuner
-
     stand_ins, calls = StandIns(2), ReadyCalls(start_s=0.3)
-    tuner = AutoTuner(budget=2, workers=1, factor=2, auto_workers=True, auto_factor=False)
+    tuner = _recording_tuner(budget=2, workers=1, factor=2, auto_workers=True, auto_factor=False)
     got = _map_style_epoch(calls, stand_ins, batches=40, tuner=tuner)
     here = len(stand_ins.loads)
     assert 0 < here < 40
@@ -769,9 +787,21 @@ def test_with_auto_the_trainer_stands_in_for_worker_0_and_the_rule_measures_the_
     fetches = [(actor, method, arg) for actor, method, arg in calls.methods if method != "ready"]
     assert fetches[0] == ("w0", "continue_from", "rng0")
     assert [method for _, method, _ in fetches].count("continue_from") == 1
-    # The rule saw the actors' batches only (the takes of the last batches in flight may
-    # come after the fetch thread ended).
-    assert 40 - here - tuner.max_depth <= tuner._batch <= 40 - here
+    # The rule starts at the hand-over and sees the actors' batches only (the takes of the
+    # last batches in flight may come after the fetch thread ended).
+    assert tuner.events[0] == "start" and tuner.events.count("start") == 1
+    assert 40 - here - tuner.max_depth <= tuner.events.count("observe") <= 40 - here
+
+
+def test_prefetch_auto_with_a_fixed_count_loads_here_as_the_worker_torch_would_use() -> None:
+    stand_ins, calls = StandIns(2), ReadyCalls(start_s=0.3)
+    tuner = _recording_tuner(budget=2, workers=2, factor=2, auto_workers=False, auto_factor=True)
+    got = _map_style_epoch(calls, stand_ins, batches=40, tuner=tuner)
+    here = len(stand_ins.loads)
+    assert 0 < here < 40
+    assert [(i, w) for i, w, _ in stand_ins.loads] == [(i, i % 2) for i in range(here)]
+    assert got == [f"{k}@here{k % 2}" if k < here else f"{k}@w{k % 2}" for k in range(40)]
+    assert tuner.events[0] == "start"
 
 
 def test_map_style_epoch_shorter_than_the_actors_start_loads_all_here_and_hands_nothing_over() -> (

@@ -168,9 +168,10 @@ class MapStyleProducer(PoolProducer):
     ``k % num_workers`` would. Then it holds the requests until the trainer has loaded
     those, hands each worker's RNG states to its actor (``continue_from``) and sends
     the rest round-robin from the next worker on, so every batch comes from the
-    worker torch would have used, with the same draws. With a ``tuner`` the
-    trainer stands in for the rule's first worker alone (worker 0: which worker loads
-    a batch is the rule's anyway), and the rule starts measuring at the hand-over.
+    worker torch would have used, with the same draws. With ``num_workers="auto"``
+    the trainer stands in for the rule's first worker alone (worker 0: which worker
+    loads a batch varies with the rule anyway); with a ``tuner`` the rule starts
+    measuring at the hand-over.
     """
 
     def __init__(
@@ -200,8 +201,10 @@ class MapStyleProducer(PoolProducer):
         self._dispatch: Dispatcher | None = None
         self._here = here if start_of is not None else None  # the fetch thread's, once started
         self._stand_ins = self._here  # the trainer's
-        # The workers the trainer loads as, in turn: torch's round-robin, or the rule's first.
-        self._here_width = 1 if tuner is not None or here is None else here.spec.num_workers
+        # The workers the trainer loads as, in turn: torch's round-robin over a fixed count,
+        # or (num_workers="auto": which worker loads a batch varies) the rule's first alone.
+        auto_workers = tuner is not None and tuner.auto_workers
+        self._here_width = 1 if auto_workers or here is None else here.spec.num_workers
         self._start_of = start_of
         self.loaded_here = 0  # batches the trainer loaded (its thread)
         self._acquire = acquire
@@ -230,6 +233,7 @@ class MapStyleProducer(PoolProducer):
     def _set_pool(self, pool: Pool, tuner: AutoTuner | None) -> None:
         self._pool = pool
         if tuner is not None:
+            assert self._measured, "a pool with a rule, for a producer built without one"
             self._tuner = tuner
         if self._here is None:
             self._start_dispatch(first_worker=0)
