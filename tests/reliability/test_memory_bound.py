@@ -171,7 +171,7 @@ def test_global_shuffle_of_an_epoch_past_the_object_store_spills_and_stays_bound
         body = np.random.default_rng(i).integers(0, 255, MIB - 8, dtype=np.uint8).tobytes()
         (tmp_path / f"{i:04d}.bin").write_bytes(np.int64(i).tobytes() + body)
     ds = raydl.read_binary_files(str(tmp_path)).map_batches(_blob_rows, batch_format="numpy")
-    loader = RayDataLoader(ds, batch_size=10, shuffle=True, seed=0)
+    loader = RayDataLoader(ds, batch_size=4, shuffle=True, seed=0)  # 4 MiB batches
     seen = []
     with MemorySampler() as sampler:
         for batch in loader:

@@ -149,6 +149,7 @@ def _producer(
     batch_size: int = 10,
     whole: bool = False,
     calls: _Store | None = None,
+    collate: Any = lambda batch: batch["id"].tolist(),
 ) -> ExchangeProducer:
     calls = calls or _Store({}, slow_first=2)
 
@@ -166,11 +167,12 @@ def _producer(
         rows=rows,
         reduce=exchange.reduce,
         cut=lambda blocks: rebatch(blocks, batch_size, False),
-        collate=lambda batch: batch["id"].tolist(),
+        collate=collate,
         prefetch=2,
         start_next=start_next,
         description="test",
         name="raydl-test-exchange",
+        batch_size=batch_size,
         calls=calls,
     )
 
@@ -200,6 +202,47 @@ def test_a_share_and_a_resume_offset_deliver_exactly_those_rows(whole: bool) -> 
     mine = _producer(runs, exchange, rows=lambda total: (37, 77), whole=whole)  # rank 1's share
     assert [i for b in EpochIterator(mine, epoch=0) for i in b] == everything[37:77]
     assert shares(len(everything), 2)[1] == (50, 100)
+
+
+def _owner(array: np.ndarray) -> np.ndarray:
+    """The array that owns ``array``'s memory (``array`` itself unless it is a view)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_large_rows_are_reduced_a_batch_at_a_time_so_a_batch_holds_no_partition(
+    whole: bool,
+) -> None:
+    """A batch of images is its own array (or a copy where it spans two partitions),
+    never a view that keeps its whole partition in the trainer; the order is unchanged."""
+    row = 16 << 10  # ROW_BY_ROW_BYTES: gathered row by row
+    runs = [
+        [
+            {
+                "id": block["id"],
+                "img": np.repeat(block["id"], row).astype(np.uint8).reshape(-1, row),
+            }
+            for block in run
+        ]
+        for run in _runs([60, 45, 55])
+    ]
+    exchange = Exchange(seed=3, partitions=2)  # partitions of about 80 rows: 11 batches
+    owners: list[int] = []
+
+    def collate(batch: dict[str, np.ndarray]) -> list[int]:
+        assert np.array_equal(batch["img"][:, 0], batch["id"].astype(np.uint8))  # aligned
+        owners.append(_owner(batch["img"]).shape[0])
+        return batch["id"].tolist()
+
+    share = (13, 150)  # a rank's share after a resume: batches start mid-partition
+    producer = _producer(
+        runs, exchange, rows=lambda total: share, batch_size=7, whole=whole, collate=collate
+    )
+    got = [i for b in EpochIterator(producer, epoch=0) for i in b]
+    assert got == _epoch(exchange, runs).tolist()[13:150]
+    assert max(owners) == 7 and len(owners) == 20  # each batch owns 7 rows (the last 4)
 
 
 class _MapActors:

@@ -508,6 +508,7 @@ class RaySource(RankEpochs):
             rows=rows,
             reduce=reduce,
             cut=self._cut(None, None),  # contiguous batches: a resume skips rows, not batches
+            batch_size=settings.batch_size,
             collate=settings.collate_fn or numpy_batch_to_tensors,
             prefetch=settings.prefetch,
             start_next=start_next,

@@ -10,6 +10,11 @@ numeric columns on the same node; an object several partitions slice is fetched
 once and kept until the last of them), reduces them (``reduce``: concatenate and
 permute), cuts batches, converts them and hands them over.
 
+Large rows (images, ``ROW_BY_ROW_BYTES`` and up) are reduced a batch at a time,
+each chunk ending where a batch ends: a batch is then its own array, not a view
+that keeps its whole partition alive, so the trainer holds the batches in flight
+rather than a partition per batch (a partition may be a few batches of images).
+
 The reduce runs here rather than on an actor so that it never queues behind the
 next epoch's map phase, which starts on the actors as soon as this epoch's map
 phase is done (``start_next``): the actors read and process epoch e+1 while the
@@ -19,6 +24,8 @@ gather per row, both memory copies.
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raydl._internal.epochs.exchange import Here, Piece, piece_bounds
-from raydl._internal.stream.batching import Batch, row_count
+from raydl._internal.stream.batching import ROW_BY_ROW_BYTES, Batch, row_count
 from raydl._internal.stream.dispatch import Calls, RayCalls, ResultTimeout
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, Stopped
@@ -117,6 +124,8 @@ class ExchangeProducer(Producer):
         reduce: ``(part, pieces, start, stop)`` -> rows ``start:stop`` of partition
             ``part`` in the epoch's order.
         cut: Blocks -> batches.
+        batch_size: The rows of the batches ``cut`` makes (``None``: not known), for
+            reducing large rows a batch at a time.
         collate: A batch -> what the trainer receives.
         prefetch: Batches handed over ahead of the trainer.
         start_next: Asked once the map phase is done (and again per partition while
@@ -140,9 +149,11 @@ class ExchangeProducer(Producer):
         start_next: Callable[[], bool] | None,
         description: str,
         name: str,
+        batch_size: int | None = None,
         calls: Calls | None = None,
     ) -> None:
         self._map_phase = map_phase
+        self._batch_size = batch_size
         self._rows = rows
         self._reduce = reduce
         self._cut = cut
@@ -199,9 +210,16 @@ class ExchangeProducer(Producer):
         # until its last partition here is reduced.
         uses = Counter(p.ref for s in wanted for p in partitions.pieces[s.part] or [])
         fetched: dict[Any, Batch] = {}
+        done = 0  # rows of this consumer's share reduced so far
         for piece in wanted:
             pieces = partitions.take(piece.part)
-            block = self._reduce(piece.part, self._get(pieces, fetched), piece.start, piece.stop)
+            views = self._get(pieces, fetched)
+            for lo, hi in self._chunks(views, done, piece.start, piece.stop):
+                block = self._reduce(piece.part, views, lo, hi)
+                if row_count(block):
+                    yield block
+            done += piece.stop - piece.start
+            del views
             for ref in (p.ref for p in pieces):
                 uses[ref] -= 1
                 if not uses[ref]:
@@ -211,8 +229,22 @@ class ExchangeProducer(Producer):
             del pieces
             self.partitions += 1
             self._ask_next()
-            if row_count(block):
-                yield block
+
+    def _chunks(
+        self, views: list[Batch], done: int, start: int, stop: int
+    ) -> list[tuple[int, int]]:
+        """Rows ``start:stop`` of a partition as the ranges to reduce at a time.
+
+        One range, unless the rows are large and the batch size known: then ranges that
+        end where this consumer's batches end (``done`` rows of its share precede
+        ``start``), so that each batch is its own array.
+        """
+        size = self._batch_size
+        sample = next((view for view in views if row_count(view)), None)
+        if size is None or sample is None or _row_bytes(sample) < ROW_BY_ROW_BYTES:
+            return [(start, stop)]
+        bounds = [start, *range(start + size - done % size, stop, size), stop]
+        return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
     def _get(self, pieces: list[Piece], fetched: dict[Any, Batch]) -> list[Batch]:
         """The pieces' rows (views), fetching the objects not in ``fetched`` (and adding them)."""
@@ -229,3 +261,8 @@ class ExchangeProducer(Producer):
             {name: column[p.start : p.stop] for name, column in fetched[p.ref].items()}
             for p in pieces
         ]
+
+
+def _row_bytes(batch: Batch) -> int:
+    """Bytes of one row of ``batch`` (an object column counts its pointers only)."""
+    return sum(column.itemsize * math.prod(column.shape[1:]) for column in batch.values())
