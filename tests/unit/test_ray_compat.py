@@ -185,3 +185,45 @@ def test_a_new_instances_system_config_waits_for_no_prestarted_worker() -> None:
         "preload_python_modules": ["ray.data"],
     }
     assert 0 < cluster.FREE_OBJECTS_PERIOD_MS < 1000  # Ray's default: 1000
+
+
+DEFERRED = """
+import sys
+from ray.util import serialization_addons
+
+from raydl._internal.ray_compat import cluster
+
+class Context:
+    def __init__(self):
+        self.seen = []
+
+    def _register_cloudpickle_serializer(self, cls, **_):
+        self.seen.append(cls.__module__.split(".")[0])
+
+    def _register_cloudpickle_reducer(self, cls, _):
+        self.seen.append(cls.__module__.split(".")[0])
+
+assert not {"pyarrow", "pydantic"} & set(sys.modules), "imported before the test"
+cluster.defer_serializers()
+context = Context()
+serialization_addons.apply(context)  # as Ray's SerializationContext calls it
+assert context.seen == [], context.seen
+assert not {"pyarrow", "pydantic"} & set(sys.modules), "the deferral imported them"
+import pyarrow  # noqa: E402,F401
+
+cluster.complete_serializers()
+cluster.complete_serializers()  # once each
+assert context.seen and set(context.seen) == {"pyarrow"}, context.seen
+print(len(context.seen))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_deferred_serializers_wait_for_their_package_and_register_once() -> None:
+    """``defer_serializers`` (a raydl actor's process): Ray's add-on serializers import
+    nothing when its serialization context is made; pyarrow's register once it is
+    imported (Table, Schema and two JSON options: 4), once; pydantic's never here."""
+    out = subprocess.run(
+        [sys.executable, "-c", DEFERRED], check=True, timeout=50, capture_output=True, text=True
+    )
+    assert out.stdout.split() == ["4"], out.stdout

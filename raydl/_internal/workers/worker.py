@@ -274,6 +274,7 @@ class DatasetWorker:
         self._init_error: InitError | None = None
         self._iter: Iterator[Any] | None = None
         unpickled, self._unpickled = self._unpickled or self._unpickle(), None
+        _complete_serializers()  # for what the payload imported (see _defer_serializers)
         if isinstance(unpickled, Exception):
             # Not raised: an actor whose start raises dies, and its death would be
             # retried and reported as one. Alive, it answers every call with this.
@@ -296,6 +297,7 @@ class DatasetWorker:
                 shard_datapipe(dataset, spec, worker_id)
             if init_fn is not None:
                 init_fn(worker_id)
+                _complete_serializers()
         except Exception:
             self._init_error = InitError(where=f"in worker_init_fn of Ray worker {worker_id}")
         _record_faults()
@@ -538,3 +540,37 @@ def _for_transport(data: Any) -> Any:
     from raydl._internal.workers.convert import tensors_to_numpy
 
     return tensors_to_numpy(data)
+
+
+def _defer_serializers() -> None:
+    """In a process Ray starts to make a :class:`DatasetWorker`: Ray's serializers for
+    pydantic, starlette and pyarrow objects wait until those packages are imported
+    (``ray_compat.cluster.defer_serializers``; :func:`_complete_serializers`).
+
+    Runs as Ray imports this module to make the actor, before the constructor's
+    arguments are deserialized (which makes the process's serialization context):
+    spares an actor of a map-style dataset importing pydantic and pyarrow it does not
+    use. Nothing happens in any other process (a driver, another task's worker).
+    """
+    if "ray" not in sys.modules:
+        return
+    from raydl._internal.ray_compat import cluster
+
+    if not cluster.in_worker():
+        return
+    import ray
+
+    making = ray.get_runtime_context().get_task_function_name()
+    if making == f"{__name__}.{DatasetWorker.__qualname__}.__init__":
+        cluster.defer_serializers()
+
+
+def _complete_serializers() -> None:
+    """Register the serializers :func:`_defer_serializers` deferred whose package is imported."""
+    if "ray" in sys.modules:
+        from raydl._internal.ray_compat import cluster
+
+        cluster.complete_serializers()
+
+
+_defer_serializers()
