@@ -96,6 +96,11 @@ def rebatch(blocks: Iterable[Batch], batch_size: int, drop_last: bool) -> Iterat
 ROW_BY_ROW_BYTES = 16 << 10
 
 
+def row_bytes(column: np.ndarray) -> int:
+    """Bytes of one row of ``column`` in its array (an object column: its pointer)."""
+    return column.itemsize * math.prod(column.shape[1:])
+
+
 def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
     """Rows ``rows`` of ``blocks`` gathered into one batch, in that order.
 
@@ -119,7 +124,7 @@ def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
     for name, sample in blocks[0].items():
         columns = [block[name] for block in blocks]
         ragged = any(column.shape[1:] != sample.shape[1:] for column in columns)
-        large = sample.itemsize * math.prod(sample.shape[1:]) >= ROW_BY_ROW_BYTES
+        large = row_bytes(sample) >= ROW_BY_ROW_BYTES
         if whole and not (ragged or large):
             out[name] = np.concatenate(columns)[rows]
             continue
@@ -191,7 +196,7 @@ class _Pool:
             for name, column in first.items()
         ):
             return False
-        row = sum(column.itemsize * math.prod(column.shape[1:]) for column in first.values())
+        row = sum(row_bytes(column) for column in first.values())
         return row <= SMALL_ROW_BYTES
 
     def replace(self, block: Batch) -> None:

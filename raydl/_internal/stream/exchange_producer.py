@@ -25,15 +25,16 @@ gather per row, both memory copies.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from raydl._internal.epochs.exchange import Here, Piece, piece_bounds
-from raydl._internal.stream.batching import ROW_BY_ROW_BYTES, Batch, row_count
+from raydl._internal.stream.batching import ROW_BY_ROW_BYTES, Batch, row_bytes, row_count
 from raydl._internal.stream.dispatch import Calls, RayCalls, ResultTimeout
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, Stopped
@@ -214,10 +215,10 @@ class ExchangeProducer(Producer):
         for piece in wanted:
             pieces = partitions.take(piece.part)
             views = self._get(pieces, fetched)
-            for lo, hi in self._chunks(views, done, piece.start, piece.stop):
-                block = self._reduce(piece.part, views, lo, hi)
-                if row_count(block):
-                    yield block
+            *ahead, (lo, hi) = self._chunks(views, done, piece.start, piece.stop)
+            for first, last in ahead:  # large rows: a batch at a time, the pieces still needed
+                yield self._reduce(piece.part, views, first, last)
+            block = self._reduce(piece.part, views, lo, hi)
             done += piece.stop - piece.start
             del views
             for ref in (p.ref for p in pieces):
@@ -229,6 +230,8 @@ class ExchangeProducer(Producer):
             del pieces
             self.partitions += 1
             self._ask_next()
+            if row_count(block):
+                yield block
 
     def _chunks(
         self, views: list[Batch], done: int, start: int, stop: int
@@ -241,7 +244,7 @@ class ExchangeProducer(Producer):
         """
         size = self._batch_size
         sample = next((view for view in views if row_count(view)), None)
-        if size is None or sample is None or _row_bytes(sample) < ROW_BY_ROW_BYTES:
+        if size is None or sample is None or _row_size(sample) < ROW_BY_ROW_BYTES:
             return [(start, stop)]
         bounds = [start, *range(start + size - done % size, stop, size), stop]
         return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
@@ -263,6 +266,17 @@ class ExchangeProducer(Producer):
         ]
 
 
-def _row_bytes(batch: Batch) -> int:
-    """Bytes of one row of ``batch`` (an object column counts its pointers only)."""
-    return sum(column.itemsize * math.prod(column.shape[1:]) for column in batch.values())
+def _row_size(batch: Batch) -> int:
+    """Bytes of ``batch``'s first row: an object column counts what its first value holds
+    (encoded images, ragged arrays), whose objects a view of the column keeps alive."""
+    return sum(row_bytes(column) + _held(column) for column in batch.values())
+
+
+def _held(column: np.ndarray) -> int:
+    """Bytes the first value of an object column holds (0 for other columns)."""
+    if column.dtype != object or not len(column):
+        return 0
+    value = column[0]
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    return len(value) if isinstance(value, (bytes, str)) else 0

@@ -297,7 +297,6 @@ class DatasetWorker:
                 shard_datapipe(dataset, spec, worker_id)
             if init_fn is not None:
                 init_fn(worker_id)
-                _complete_serializers()
         except Exception:
             self._init_error = InitError(where=f"in worker_init_fn of Ray worker {worker_id}")
         _record_faults()
@@ -533,8 +532,11 @@ def _seed_datapipe(dataset: Any, shared_seed: int) -> None:
 def _for_transport(data: Any) -> Any:
     """A batch as it travels through the object store (tensors as numpy arrays, ``convert.py``).
 
-    Without torch in the process no tensor exists, and the batch travels as it is.
+    Without torch in the process no tensor exists, and the batch travels as it is. Ray's
+    serializers for the packages imported by now are registered first
+    (:func:`_complete_serializers`): the batch may hold their objects.
     """
+    _complete_serializers()
     if "torch" not in sys.modules:
         return data
     from raydl._internal.workers.convert import tensors_to_numpy
@@ -550,7 +552,9 @@ def _defer_serializers() -> None:
     Runs as Ray imports this module to make the actor, before the constructor's
     arguments are deserialized (which makes the process's serialization context):
     spares an actor of a map-style dataset importing pydantic and pyarrow it does not
-    use. Nothing happens in any other process (a driver, another task's worker).
+    use. Every reply with a batch first registers those imported by then
+    (:func:`_for_transport`). Nothing happens in any other process (a driver, another
+    task's worker).
     """
     if "ray" not in sys.modules:
         return
