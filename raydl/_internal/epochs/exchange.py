@@ -34,6 +34,7 @@ the actors call :meth:`Exchange.split` and :meth:`Exchange.reduce`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -51,6 +52,13 @@ def partition_count(runs: int) -> int:
     return max(1, runs)
 
 
+@functools.lru_cache(maxsize=2)  # the partition being reduced (and the one before)
+def _permutation(seed: int, part: int, rows: int) -> np.ndarray:
+    order = np.random.default_rng([seed, _PERMUTE, part]).permutation(rows)
+    order.flags.writeable = False  # shared by every caller
+    return order
+
+
 @dataclass(frozen=True)
 class Exchange:
     """The global shuffle of one epoch: its seed and its number of output partitions."""
@@ -64,8 +72,12 @@ class Exchange:
         return rng.integers(0, self.partitions, size=rows)
 
     def permutation(self, part: int, rows: int) -> np.ndarray:
-        """The order of partition ``part``'s ``rows`` rows (its pieces concatenated in run order)."""
-        return np.random.default_rng([self.seed, _PERMUTE, part]).permutation(rows)
+        """The order of partition ``part``'s ``rows`` rows (its pieces concatenated in run order).
+
+        Read-only, and kept for the next call: a partition of large rows is reduced a
+        batch at a time (``ExchangeProducer._chunks``), each chunk a slice of this.
+        """
+        return _permutation(self.seed, part, rows)
 
     def group(self, run: int, blocks: Sequence[Batch]) -> tuple[list[int], Batch]:
         """Run ``run``'s rows (its loaded blocks) sorted by output partition.
