@@ -289,9 +289,10 @@ class _Pool:
 
 
 @pytest.mark.timeout(60)
-def test_a_pool_grown_mid_epoch_delivers_every_batch_once_in_order() -> None:
+@pytest.mark.parametrize("start", ["workers", "started"])  # the spare: from the producer, or made
+def test_a_pool_grown_mid_epoch_delivers_every_batch_once_in_order(start: str) -> None:
     t = tuner(budget=3)
-    pool, calls = _Pool(t.started, start_s=0.3), _Calls(work_s=0.01)
+    pool, calls = _Pool(getattr(t, start), start_s=0.3), _Calls(work_s=0.01)
     requests = [[2 * i, 2 * i + 1] for i in range(240)]
     producer = MapStyleProducer(
         pool, iter(requests), lookahead=t.depth, in_order=True, calls=calls, tuner=t

@@ -490,7 +490,10 @@ class TorchSource:
                 restartable=not self._iterable,
                 options=self._settings.worker_options,
                 ahead=ahead,
-                start=tuner.started if tuner is not None else None,
+                # With 'auto', the workers in use only (one): on a small machine the first
+                # actor answers sooner alone; the rule's spare is started at the hand-over
+                # (MapStyleProducer._tune), as the first batches are taken.
+                start=tuner.workers if tuner is not None else None,
                 payload=payload,
             ),
             spec.num_workers,

@@ -155,7 +155,11 @@ class AutoTuner:
         """Workers to keep started: those wanted, and one spare while the rule may grow.
 
         The spare imports torch and unpickles the dataset before it is needed, so
-        the first step up is admitted at once; it gets requests only once wanted.
+        the first step up is admitted at once; it gets requests only once wanted. A
+        new pool starts only the workers in use (``workers``); the producer starts the
+        spare once it dispatches to them: started together on 2 CPUs, where the
+        trainer loads the first batches on one, two actors importing torch answered
+        an epoch later than one does.
         """
         if self.workers < self._workers_ceiling:
             return min(self._workers_ceiling, max(self.want, self.workers + 1))
