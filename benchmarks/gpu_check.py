@@ -4,7 +4,10 @@ Compares RayDataLoader(device="cuda") against a plain pinned-tensor copy loop
 (the physical host-to-device limit for the same batches), and the copy stage's own
 step (pageable batches staged through the pinned pool, then copied) against it too;
 checks that every
-batch arrives on the requested device with the right content. Prints one JSON
+batch arrives on the requested device with the right content. Then the same for the
+other source kinds: a ``raydl.read_parquet`` plan with a ``map_batches`` stage on the
+direct path (files order and the global shuffle, two epochs each) and a
+``ray.data`` dataset, each row exactly once per epoch, on the device. Prints one JSON
 line; exits 1 on a wrong batch. Without CUDA it says so and exits 0.
 
     python benchmarks/gpu_check.py --batches 200 --mb 8
@@ -15,8 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -35,11 +42,91 @@ class Blocks(Dataset[torch.Tensor]):
         return torch.full((self.floats,), float(i))
 
 
+def _double(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A ``map_batches`` stage: ``x`` doubled, so its content is checkable against ``id``."""
+    return {"id": batch["id"], "x": batch["x"] * 2}
+
+
+def _epochs_on_device(loader: Any, rows: int, device: torch.device) -> dict[str, Any]:
+    """Two epochs; every batch's tensors on ``device``, ``x == 2 * id``, each id once."""
+    wrong, rates = 0, []
+    for epoch in range(2):
+        seen: list[torch.Tensor] = []
+        start = time.perf_counter()
+        for batch in loader:
+            ids, x = batch["id"], batch["x"]
+            if ids.device != device or x.device != device or not bool((x == 2 * ids).all()):
+                wrong += 1
+            seen.append(ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(rows / (time.perf_counter() - start))
+        got = torch.cat(seen).cpu()
+        if not torch.equal(got.sort().values, torch.arange(rows, dtype=got.dtype)):
+            wrong += 1
+        if epoch == 0:
+            first = got
+        elif torch.equal(got, first):
+            wrong += 1  # a shuffled loader must give a new order per epoch
+    loader.close()
+    return {"wrong": wrong, "rows_per_s": [round(r) for r in rates]}
+
+
+def check_sources(device: torch.device, rows: int = 200_000) -> dict[str, Any]:
+    """Plans of the other source kinds with ``device=``: rows once per epoch, on the device."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    import raydl
+    from raydl import RayDataLoader
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        per_file = rows // 8
+        for f in range(8):
+            ids = np.arange(f * per_file, (f + 1) * per_file, dtype=np.int64)
+            table = pa.table({"id": ids, "x": ids.astype(np.float64)})
+            pq.write_table(table, Path(tmp) / f"part-{f}.parquet")
+        for mode in ("files", "global"):
+            plan = raydl.read_parquet(tmp).map_batches(_double)
+            loader = RayDataLoader(
+                plan,
+                batch_size=1024,
+                shuffle=True,
+                shuffle_mode=mode,
+                seed=0,
+                pin_memory=device.type == "cuda",
+                device=device,
+            )
+            out[f"parquet_{mode}"] = _epochs_on_device(loader, rows, device)
+        dataset = ray.data.read_parquet(tmp).map_batches(_double, batch_format="numpy")
+        loader = RayDataLoader(
+            dataset,
+            batch_size=1024,
+            shuffle=True,
+            seed=0,
+            pin_memory=device.type == "cuda",
+            device=device,
+        )
+        out["ray_data"] = _epochs_on_device(loader, rows, device)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--mb", type=float, default=8.0, help="MB per batch")
+    parser.add_argument(
+        "--sources-on-cpu",
+        action="store_true",
+        help="only the source-kinds part, on the CPU (checks this script without a GPU)",
+    )
     args = parser.parse_args()
+    if args.sources_on_cpu:
+        sources = check_sources(torch.device("cpu"), rows=20_000)
+        print(json.dumps({"cuda": False, "sources": sources}))
+        sys.exit(1 if any(result["wrong"] for result in sources.values()) else 0)
     if not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "note": "no CUDA here; nothing to check"}))
         return
@@ -98,6 +185,8 @@ def main() -> None:
     torch.cuda.synchronize()
     loader_gbps = args.batches * args.mb / 1024 / (time.perf_counter() - start)
     loader.close()
+    sources = check_sources(device)
+    wrong += sum(result["wrong"] for result in sources.values())
     print(
         json.dumps(
             {
@@ -111,6 +200,7 @@ def main() -> None:
                 "pool_allocated": pool_allocated,
                 "loader_prefetch_GBps": round(loader_gbps, 2),
                 "ratio": round(loader_gbps / plain_gbps, 3),
+                "sources": sources,
                 "wrong_batches": wrong,
             }
         )

@@ -57,9 +57,11 @@ def main() -> None:
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)  # this rank's GPU, before nccl's first collective
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else None
 
     if args.source == "map":
         dataset = Points(args.samples)
@@ -116,8 +118,9 @@ def main() -> None:
             ids.extend(int(i) for i in idx)
             batches += 1
         elapsed = time.perf_counter() - start
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([batches]))
+        # nccl exchanges device tensors only; gloo host ones.
+        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([batches], device=device))
         if rank == 0:
             print(
                 f"epoch {epoch}: {batches} batches/rank (all ranks: {[int(c) for c in counts]}), "
