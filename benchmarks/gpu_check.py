@@ -74,7 +74,7 @@ def _loader_rate(
         for x in loader:
             if x.device != (device or torch.device("cpu")):
                 wrong += 1
-            firsts.append(x[0, 0])
+            firsts.append(x[0, 0].clone())  # a view would keep the whole batch alive
         torch.cuda.synchronize()
         rates.append(batches * mb / 1024 / (time.perf_counter() - start))
         expected = torch.arange(0, batches * batch, batch, dtype=torch.float32)
