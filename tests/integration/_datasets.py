@@ -247,3 +247,17 @@ class RandomDraws(Dataset[dict[str, Any]]):
             "worker": -1 if info is None else info.id,
             "pid": os.getpid(),
         }
+
+
+class FilledBlocks(Dataset[dict[str, Any]]):
+    """Sample ``i``: 256 KiB of ``float(i)`` made by a torch operator, and the pid that made it.
+
+    Operators this size run on torch's intra-op threads where the process has several
+    (OpenMP): the trainer's, when it loads batches itself while the actors start.
+    """
+
+    def __len__(self) -> int:
+        return 1600
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"x": torch.full((65536,), float(index)), "pid": os.getpid()}

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _datasets import RandomDraws
+from _datasets import FilledBlocks, RandomDraws
 from torch.utils.data import DataLoader
 
 from raydl import RayDataLoader
@@ -95,3 +95,25 @@ def test_with_auto_the_first_batches_load_here_as_worker_0_in_torchs_order(
     # The trainer stood in for worker 0 alone: the one the rule starts with.
     batches_here = [b for e in ours for b in e if (b["pid"] == os.getpid()).all()]
     assert {w for b in batches_here for w in b["worker"].tolist()} == {0}
+
+
+@pytest.mark.timeout(180)
+def test_the_actors_take_over_from_a_trainer_that_loads_flat_out() -> None:
+    """No training step, and items made by torch operators: the trainer loads batches itself
+    as fast as it can until the actors answer. Before session 28 it ran those operators on
+    its intra-op threads, whose OpenMP spinning kept both cores of a 2-CPU machine busy, and
+    the actors answered late: here after 21.7 s (5.8 s since), in a fresh process after
+    20-23 s (3-4 s since). A liveness check: the thread count itself is pinned by
+    tests/unit/test_emulated.py."""
+    loader = RayDataLoader(FilledBlocks(), batch_size=8, num_workers=2, persistent_workers=True)
+    here: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            here.append(sum(int((b["pid"] == os.getpid()).all()) for b in loader))
+            if here[-1] == 0:
+                break
+    finally:
+        loader.close()
+    assert here[0] > 0, here  # the actors were still starting
+    assert here[-1] == 0, f"the actors never took over: batches loaded here per epoch {here}"

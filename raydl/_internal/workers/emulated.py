@@ -29,7 +29,7 @@ the trainer stands in for worker 0 alone (``MapStyleProducer``).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from raydl._internal.workers import allocator
@@ -76,6 +76,7 @@ class EmulatedWorkers:
         # the shared memory a worker process's queue needs (put back afterwards: the
         # workers of the script's own torch DataLoaders, forked later, need it).
         plain_collate_undo = collate_into_plain_memory()
+        threads = one_thread()
         loading = False
         try:
             # Unpickled first, as an actor does before it is seeded: whatever unpickling
@@ -102,6 +103,7 @@ class EmulatedWorkers:
             torch_worker._worker_info = trainers_info
             trainers.apply()
             plain_collate_undo()
+            threads()
             allocator.release_freed_memory()  # the trainer's heap is the user's
         self.loaded += 1
         return batch
@@ -123,3 +125,25 @@ class EmulatedWorkers:
             shard_datapipe(dataset, self.spec, worker_id)
             copy = self._copies[worker_id] = (dataset, collate_fn)
         return copy
+
+
+def one_thread() -> Callable[[], None]:
+    """Run torch's operators on one thread, as a torch worker process does; returns the undo.
+
+    torch's ``_worker_loop`` calls ``torch.set_num_threads(1)``; the trainer keeps its
+    intra-op pool for the training step. Loading with that pool here would be more
+    than a difference from torch: between the dataset's small operators its OpenMP
+    threads spin, so on a machine of few cores the training process kept every core
+    busy and raydl's actors, starting meanwhile, never answered (measured in session
+    28 on 2 CPUs: 2 MB batches of ``torch.full`` and ``torch.stack``, the trainer and an
+    OpenMP thread at 100 % each, 20 s and 40 epochs loaded here; with one thread the
+    actors took over 3 s after they were made). Only where torch runs on OpenMP: the
+    native pool cannot be resized once it has run.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads == 1 or not torch.backends.openmp.is_available():
+        return lambda: None
+    torch.set_num_threads(1)
+    return lambda: torch.set_num_threads(threads)
