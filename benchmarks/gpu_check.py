@@ -49,6 +49,21 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _warm_up(loader: Any, most_s: float = 60.0) -> None:
+    """Epochs until the workers are up: for raydl, until an epoch loaded nothing in this process.
+
+    While raydl's actors start, a map-style epoch's batches load in the trainer
+    (``start_in_process``); timed epochs must not include that phase.
+    """
+    deadline = time.monotonic() + most_s
+    while True:
+        for _ in loader:
+            pass
+        stats = loader.stats()["epochs"][-1] if hasattr(loader, "stats") else {}
+        if "training process" not in str(stats.get("ray_data")) or time.monotonic() > deadline:
+            return
+
+
 def _rate(
     loader: Any, device: torch.device | None, *, batch: int, batches: int, mb: float
 ) -> tuple[float, int]:
@@ -58,8 +73,7 @@ def _rate(
     nothing to do where the loader put it there already).
     """
     wrong, rates = 0, []
-    for _ in loader:  # warm-up epoch: workers start, caches fill
-        pass
+    _warm_up(loader)
     for _ in range(3):
         _sync()
         start = time.perf_counter()
