@@ -144,8 +144,7 @@ def _epochs_on_device(loader: Any, rows: int, device: torch.device) -> dict[str,
             if ids.device != device or x.device != device or not bool((x == 2 * ids).all()):
                 wrong += 1
             seen.append(ids)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync()
         rates.append(rows / (time.perf_counter() - start))
         got = torch.cat(seen).cpu()
         if not torch.equal(got.sort().values, torch.arange(rows, dtype=got.dtype)):
