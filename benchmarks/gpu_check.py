@@ -65,9 +65,15 @@ def _warm_up(loader: Any, most_s: float = 60.0) -> None:
 
 
 def _rate(
-    loader: Any, device: torch.device | None, *, batch: int, batches: int, mb: float
+    loader: Any,
+    device: torch.device | None,
+    *,
+    batch: int,
+    batches: int,
+    mb: float,
+    pinned: bool = False,
 ) -> tuple[float, int]:
-    """Median GB/s of three warm epochs; wrong batches (content, device).
+    """Median GB/s of three warm epochs; wrong batches (content, device, pinned where asked).
 
     Each batch goes to ``device`` as a torch user writes it (``.to(device, non_blocking=True)``,
     nothing to do where the loader put it there already).
@@ -81,7 +87,7 @@ def _rate(
         for x in loader:
             if device is not None:
                 x = x.to(device, non_blocking=True)
-            if x.device != (device or torch.device("cpu")):
+            if x.device != (device or torch.device("cpu")) or (pinned and not x.is_pinned()):
                 wrong += 1
             firsts.append(x[0, 0].clone())  # a view would keep the whole batch alive
         _sync()
@@ -122,7 +128,8 @@ def loader_rates(
     for name, (make, target) in runs.items():
         if device is None and "pinned" in name:
             continue  # pinning needs CUDA
-        gbps, bad = _rate(make(), target, batch=batch, batches=batches, mb=mb)
+        pinned = name.endswith("host_pinned")
+        gbps, bad = _rate(make(), target, batch=batch, batches=batches, mb=mb, pinned=pinned)
         rates[f"{name}_GBps"] = round(gbps, 2)
         wrong += bad
     return rates, wrong

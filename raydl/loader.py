@@ -29,7 +29,7 @@ from raydl._internal.epochs.torch_source import TorchSettings, TorchSource
 from raydl._internal.io import skips
 from raydl._internal.runtime.startup import begin_for, connect
 from raydl._internal.runtime.world import Channel, World
-from raydl._internal.stream.device import CudaCopier, DeviceCopy, PinMemory, resolve_device
+from raydl._internal.stream.device import PinMemory, copy_stage, resolve_device
 from raydl._internal.stream.epoch_iterator import EpochIterator
 from raydl._internal.stream.metrics import EpochStats, summarize
 from raydl._internal.torch_args import MAP, RAY, check, with_defaults
@@ -440,26 +440,23 @@ class RayDataLoader(Iterable[Any]):
         if isinstance(self._source, RaySource):
             started = self._source.start_epoch(epoch, resume)
         else:
-            # With a device copy, the copy stage holds batches of its own: the sampler
-            # runs that much further ahead, so the workers keep as much in flight.
+            # A copy stage (to the device, or pinning) holds batches of its own: the
+            # sampler runs that much further ahead, so the workers keep as much in flight.
             started = self._source.start_epoch(
-                epoch, resume, lookahead=self._prefetch + 1 if device else 0
+                epoch, resume, lookahead=self._prefetch + 1 if device or pin else 0
             )
         record = self._record = started.record
         if record.epoch != epoch:  # several ranks: rank 0's epoch is everyone's
             self._expect(record.epoch + 1)
-        producer = started.producer
-        if device is not None:
-            copier = CudaCopier(device)
-            name = f"raydl-epoch-{record.epoch}-to-{device}"
-            producer = DeviceCopy(producer, copier, depth=self._prefetch, name=name)
+        producer = copy_stage(
+            started.producer, device=device, pin=pin, depth=self._prefetch, epoch=record.epoch
+        )
         iterator = EpochIterator(
             producer,
             epoch=record.epoch,
             skip=started.skip,
             length=started.length,
             timeout=self.timeout,
-            pin_memory=pin and device is None,
             on_exhausted=started.on_exhausted,
         )
         iterator.log_summary = self.options.log_stats

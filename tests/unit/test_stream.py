@@ -13,10 +13,10 @@ import torch
 
 from raydl._internal.epochs.overlap import NextEpoch
 from raydl._internal.epochs.record import EpochRecord, EpochStart
-from raydl._internal.stream.device import DeviceCopy
+from raydl._internal.stream.device import DeviceCopy, HostPinner, copy_stage
 from raydl._internal.stream.dispatch import Dispatcher, ResultTimeout, WorkerLost
 from raydl._internal.stream.epoch_iterator import EpochIterator, Producer
-from raydl._internal.stream.handoff import Handoff, Stopped
+from raydl._internal.stream.handoff import Handoff, ItemError, Stopped
 from raydl.errors import LoaderTimeoutError, WorkerDiedError
 
 pytestmark = pytest.mark.timeout(30)
@@ -229,6 +229,41 @@ def test_device_copy_passes_taken_through_and_closes_its_source() -> None:
     iterator.close()
     assert source.closed_with is False
     assert source.handoff.stopped
+
+
+def test_pin_memory_pins_on_the_stage_thread_with_one_intra_op_thread() -> None:
+    """As torch's pin-memory thread: off the trainer's thread, one OpenMP thread, in order."""
+    seen: list[tuple[str, int]] = []
+
+    def pin(batch: Any) -> Any:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return ("pinned", batch)
+
+    threads = torch.get_num_threads()
+    stage = DeviceCopy(ListProducer(range(5)), HostPinner(pin), depth=2, name="raydl-test-pin")
+    assert list(EpochIterator(stage, epoch=0)) == [("pinned", i) for i in range(5)]
+    assert seen == [("raydl-test-pin", 1)] * 5
+    assert torch.get_num_threads() == threads  # the trainer's own count is untouched
+
+
+def test_a_failed_batch_passes_the_pin_stage_and_the_epoch_goes_on() -> None:
+    items = [0, ItemError(ValueError("bad sample 1")), 2]
+    iterator = EpochIterator(
+        DeviceCopy(ListProducer(items), HostPinner(), depth=2, name="raydl-test-pin"), epoch=0
+    )
+    assert next(iterator) == 0
+    with pytest.raises(ValueError, match="bad sample 1"):
+        next(iterator)
+    assert next(iterator) == 2
+    assert iterator.num_yielded == 3
+
+
+def test_copy_stage_is_there_only_to_pin_or_to_move() -> None:
+    source = ListProducer(range(2))
+    assert copy_stage(source, device=None, pin=False, depth=2, epoch=0) is source
+    pinned = copy_stage(ListProducer(range(2)), device=None, pin=True, depth=2, epoch=3)
+    assert isinstance(pinned, DeviceCopy)
+    pinned.close()
 
 
 # -- dispatch over fake calls -----------------------------------------------------------

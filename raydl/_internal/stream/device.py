@@ -2,7 +2,10 @@
 
 :class:`DeviceCopy` is a producer stage over any epoch's producer: a named thread
 takes host batches from it, pins them and copies them to the device on a side
-CUDA stream, ``depth`` batches ahead, recording an event per batch. When the
+CUDA stream, ``depth`` batches ahead, recording an event per batch. With
+``pin_memory=True`` and no device the same stage only pins (:class:`HostPinner`),
+as torch's pin-memory thread does, so the copy into pinned memory overlaps the
+trainer's step instead of delaying its ``next()``. When the
 trainer takes a batch, its current stream waits for that event (no host
 synchronisation) and the batch's memory is recorded as used by that stream, so
 the copy overlaps the previous step and nothing is freed early. The epoch's
@@ -24,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import Handoff
@@ -187,6 +192,50 @@ class CudaCopier(StagedCopier):
         current = torch.cuda.current_stream(self._device)
         current.wait_event(fence)
         _record_stream(batch, current)
+
+
+class HostPinner:
+    """A :class:`Copier` for ``pin_memory=True`` without a device copy: pins on the stage's thread.
+
+    As torch's pin-memory thread: each batch is copied once, from the object store
+    into blocks of torch's caching host allocator (``pin_memory()``, reused once the
+    copies torch recorded on them are done; the trainer may start its own
+    ``non_blocking`` copy from the batch and drop it, see ``pinned.py``), on one
+    intra-op thread and with the trainer's current CUDA device. The trainer gets the
+    pinned batch as it is. ``pin`` is injected for the CPU tests.
+    """
+
+    def __init__(
+        self, pin: Callable[[Any], Any] = pin_structure, device_index: int | None = None
+    ) -> None:
+        self._pin = pin
+        self._device_index = device_index
+
+    def start(self) -> None:
+        torch.set_num_threads(1)  # this thread's only (OpenMP), as torch's pin thread
+        if self._device_index is not None:
+            torch.cuda.set_device(self._device_index)
+
+    def copy(self, batch: Any) -> Any:
+        return self._pin(batch)
+
+    def ready(self, token: Any) -> Any:
+        return token
+
+
+def copy_stage(
+    producer: Producer, *, device: torch.device | None, pin: bool, depth: int, epoch: int
+) -> Producer:
+    """``producer`` behind the stage that moves its batches to ``device``, or pins them, or as is."""
+    if device is not None:
+        copier: Copier = CudaCopier(device)
+        name = f"raydl-epoch-{epoch}-to-{device}"
+    elif pin:
+        current = torch.cuda.current_device() if torch.cuda.is_available() else None
+        copier, name = HostPinner(device_index=current), f"raydl-epoch-{epoch}-pin"
+    else:
+        return producer
+    return DeviceCopy(producer, copier, depth=depth, name=name)
 
 
 class DeviceCopy(Producer):

@@ -2,12 +2,12 @@
 
 A :class:`Producer` fills a :class:`~raydl._internal.stream.handoff.Handoff` from
 its own thread (map-style and iterable fetch threads, raydl's direct runs, Ray
-Data's producer, or a device copy stage over any of these). The
+Data's producer, or a copy stage over any of these: to the device, or into
+pinned memory). The
 :class:`EpochIterator` is what ``iter(loader)`` returns. On the trainer's thread,
 it alone:
 
 * counts the batches delivered, from a resumed epoch's offset (``skip``);
-* pins host batches (``pin_memory=True`` without a device copy);
 * times the trainer's wait inside ``next()`` and updates the progress bar;
 * applies torch's ``timeout`` to that wait;
 * raises a failed batch (an :class:`~raydl._internal.stream.handoff.ItemError`)
@@ -22,8 +22,6 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-
-from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.runtime.cluster import is_connected
 from raydl._internal.stream.handoff import Handoff, ItemError
@@ -80,7 +78,6 @@ class EpochIterator(Iterator[Any]):
         skip: Batches of this epoch consumed before a resume (the count starts there).
         length: Batches of the epoch, when known (``len()``).
         timeout: torch's ``timeout``: seconds ``next()`` may wait, ``0`` for no bound.
-        pin_memory: Pin each batch before it is returned.
         on_exhausted: Called once the epoch's last batch was taken (a rank's barrier).
     """
 
@@ -92,14 +89,12 @@ class EpochIterator(Iterator[Any]):
         skip: int = 0,
         length: int | None = None,
         timeout: float = 0,
-        pin_memory: bool = False,
         on_exhausted: Callable[[], None] | None = None,
     ) -> None:
         self._producer = producer
         self._handoff = producer.handoff
         self._length = length
         self._timeout = timeout
-        self._pin = pin_memory
         self._on_exhausted = on_exhausted
         self._closed = False
         self._stalled = False  # a wait timed out
@@ -143,11 +138,6 @@ class EpochIterator(Iterator[Any]):
             # epoch goes on. It holds its place in the epoch (a resume skips it).
             self.num_yielded += 1
             batch.reraise()
-        if self._pin:
-            # One copy: an owned batch is over the object store, and pin_memory() copies it
-            # into a block of torch's caching host allocator (reused once the copies torch
-            # recorded on it are done; the trainer may start its own, see stream/pinned.py).
-            batch = pin_structure(batch)
         self.num_yielded += 1
         self.stats.record(batch, time.perf_counter() - started)
         if self.progress is not None:

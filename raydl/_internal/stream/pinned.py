@@ -20,9 +20,10 @@ that holds the tensor and is at most twice its size.
 Without a device copy (``pin_memory=True`` alone) the pinned batch is the
 trainer's, who may start its own ``non_blocking`` copy from it and drop it at
 once; only torch's caching host allocator sees that copy's stream. So that path
-keeps ``tensor.pin_memory()`` (``epoch_iterator.py``): one copy from the object
-store into a block of torch's allocator, which caches its blocks and reuses one
-once the copies it recorded on it are done; not this pool.
+keeps ``tensor.pin_memory()`` (``device.py``'s ``HostPinner``, on the copy stage's
+thread as torch's pin-memory thread): one copy from the object store into a block
+of torch's allocator, which caches its blocks and reuses one once the copies it
+recorded on it are done; not this pool.
 
 The allocator is injected (``torch.empty(..., pin_memory=True)`` fails without
 CUDA), so the pool's reuse and lifetimes are tested on CPU.
