@@ -51,6 +51,7 @@ def lightning(accelerator: str, **loader_args: Any) -> dict[str, Any]:
 
     epochs: list[list[int]] = []
     devices: set[str] = set()
+    model_devices: set[str] = set()
 
     class Model(L.LightningModule):
         def __init__(self) -> None:
@@ -68,6 +69,7 @@ def lightning(accelerator: str, **loader_args: Any) -> dict[str, Any]:
 
         def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
             devices.add(str(batch["x"].device))
+            model_devices.add(str(self.layer.weight.device))  # Lightning moves it back after fit
             epochs[-1].extend(batch["id"].tolist())
             return self.layer(batch["x"]).pow(2).mean()
 
@@ -81,7 +83,8 @@ def lightning(accelerator: str, **loader_args: Any) -> dict[str, Any]:
     )  # fmt: skip
     trainer.fit(model)
     trainer.train_dataloader.close()
-    return _check(epochs, devices, str(next(model.parameters()).device))
+    (want,) = model_devices
+    return _check(epochs, devices, want)
 
 
 def accelerate() -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,12 @@ def test_s3_images_example_trains_from_a_real_s3_server() -> None:
 def test_last_mile_tabular_example_trains() -> None:
     out = _run("examples/last_mile_tabular.py", "--small", timeout=280)
     assert "epoch" in out
+
+
+@pytest.mark.timeout(180)
+def test_the_gpu_framework_check_passes_on_the_cpu() -> None:
+    """benchmarks/gpu_frameworks.py (run on a GPU by hand) kept working: its CPU dry run."""
+    out = _run("benchmarks/gpu_frameworks.py", timeout=160)
+    results = json.loads(out.strip().splitlines()[-1])
+    runs = {name: r for name, r in results.items() if name != "cuda"}
+    assert len(runs) == 3 and all(r["ok"] for r in runs.values()), results

@@ -17,6 +17,10 @@ Modes:
         epochs as in ``epochs``.
     read_interrupted_in_an_import: a raydl read, then a Ctrl-C that leaves CPython's import
         lock held (as one that hits an import may), while Ray's start goes on.
+    ends_while_ray_starts: ``ray.init`` held for 3 s; a short epoch ends in this process
+        meanwhile, the loader is closed and the script exits while Ray is still starting.
+        Its last exit handler (run after raydl's and Ray's) says whether a start was
+        still under way then (``start under way at exit: True|False``).
     gated_read: ``ray.init`` held as in ``gated``; a raydl read returns before Ray is up,
         a ``ds.count()`` of the script waits for raydl's start, and the first epochs of
         two loaders (files order, global shuffle) load in this process meanwhile; then
@@ -87,6 +91,27 @@ def gated(record: dict) -> None:
     record["initialized_at_last"] = ray.is_initialized()
     loader.close()
     record["scripts_random_stream_kept"] = [random.random() for _ in range(3)] == expected
+
+
+def ends_while_ray_starts(record: dict) -> None:
+    import atexit
+
+    def last() -> None:  # registered before `import ray`: runs after Ray's handler
+        from raydl._internal.runtime import cluster
+
+        _say(f"start under way at exit: {cluster._lock.locked()}")
+
+    atexit.register(last)
+    gate = _hold_ray_init()
+    opens = threading.Timer(3.0, gate.set)
+    opens.daemon = True  # the interpreter's exit does not wait for it
+    opens.start()
+    from raydl import RayDataLoader
+
+    loader = RayDataLoader(torch.arange(16.0), batch_size=4, num_workers=2)
+    record["batches"] = [b.tolist() for b in loader]  # loaded here while Ray is held
+    record["ray_held_at_the_end"] = not gate.is_set()
+    loader.close()
 
 
 def epochs(record: dict, count: int) -> None:
@@ -238,6 +263,7 @@ def main() -> None:
             "gated_read",
             "read_epochs",
             "read_interrupted_in_an_import",
+            "ends_while_ray_starts",
         ],
     )
     parser.add_argument("record")
@@ -257,6 +283,8 @@ def main() -> None:
             gated_read(record, args.folder)
         elif args.mode == "read_epochs":
             read_epochs(record, args.folder, args.epochs)
+        elif args.mode == "ends_while_ray_starts":
+            ends_while_ray_starts(record)
         elif args.mode == "read_interrupted_in_an_import":
             read_interrupted_in_an_import(record, args.folder, args.caught)
         else:

@@ -96,6 +96,32 @@ def _tell(proc: subprocess.Popen[str], line: str) -> None:
     proc.stdin.flush()
 
 
+@pytest.mark.timeout(120)
+def test_a_script_that_ends_while_ray_starts_exits_once_the_start_is_over(
+    tmp_path: Path, ray_tmp: str
+) -> None:
+    """A short epoch ends in the trainer before Ray is up, and the script with it.
+
+    Exiting while the background start was inside ``ray.init`` aborted the process
+    now and then (gRPC's ``Illegal header value``, exit status 134: C++ static
+    destructors ran under Ray's gRPC threads). The exit now waits for the start, so
+    Ray's own exit handler finds an instance to stop (``_finish_start_at_exit``).
+    """
+    record = tmp_path / "record.json"
+    proc = _start("ends_while_ray_starts", record, ray_tmp)
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0, err[-3000:]
+    seen = json.loads(record.read_text())
+    assert seen["batches"] == [
+        [0.0, 1.0, 2.0, 3.0],
+        [4.0, 5.0, 6.0, 7.0],
+        [8.0, 9.0, 10.0, 11.0],
+        [12.0, 13.0, 14.0, 15.0],
+    ]
+    assert seen["ray_held_at_the_end"] is True  # the script ended while Ray was starting
+    assert "start under way at exit: False" in out.splitlines(), out[-2000:] + err[-3000:]
+
+
 @pytest.mark.timeout(240)
 def test_construction_returns_while_ray_starts_then_a_dropped_loader_leaves_no_ray_work(
     tmp_path: Path, ray_tmp: str

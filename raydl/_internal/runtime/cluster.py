@@ -163,7 +163,7 @@ def begin_ray_for_reads() -> bool:
             target=_start_for_reads, args=(release,), name="raydl-ray-start", daemon=True
         )
         _reads_start.start()
-    atexit.register(_finish_reads_start)
+    _at_exit_after_ray()
     return True
 
 
@@ -183,8 +183,16 @@ def _start_for_reads(release: Callable[[], None]) -> None:
         release()
 
 
-def _finish_reads_start() -> None:
-    """At exit: let a start for reads end before Ray's own exit handler stops the instance.
+def _finish_start_at_exit() -> None:
+    """At exit: let a start under way end before Ray's own exit handler stops the instance.
+
+    Either start: a raydl read's (:func:`begin_ray_for_reads`) or a loader's, whose
+    ``ray.init`` runs under ``_lock`` (a short epoch may end, and the script with it,
+    while the background start is still in ``ray.init``). Exiting during
+    ``ray.init`` let C++ static destructors run under Ray's gRPC threads: its token
+    interceptor then sent a freed header and gRPC aborted the process
+    (``validate_metadata: Illegal header value``, exit status 134). Registered after
+    ``import ray`` so that it runs before Ray's handler (``atexit`` runs last first).
 
     A Ctrl-C may have hit the main thread inside an import and left CPython's import
     lock held (``interrupt.release_import_lock_left_held``): the start's ``ray.init``
@@ -193,14 +201,24 @@ def _finish_reads_start() -> None:
     fate of this one either way.
     """
     thread = _reads_start
-    if thread is not None and thread.is_alive():
-        interrupt.release_import_lock_left_held()
-        thread.join(
-            READS_START_INTERRUPTED_WAIT_S if interrupt.interrupted() else READS_START_EXIT_WAIT_S
-        )
+    reads = thread is not None and thread.is_alive()
+    if not reads and not _lock.locked():
+        return
+    interrupt.release_import_lock_left_held()
+    wait_s = READS_START_INTERRUPTED_WAIT_S if interrupt.interrupted() else READS_START_EXIT_WAIT_S
+    if thread is not None and reads:
+        thread.join(wait_s)
+    elif _lock.acquire(timeout=wait_s):
+        _lock.release()
 
 
-#: Seconds a process that exits waits for a start for reads still under way.
+def _at_exit_after_ray() -> None:
+    """(Re-)register :func:`_finish_start_at_exit` once, after Ray's own exit handler."""
+    atexit.unregister(_finish_start_at_exit)
+    atexit.register(_finish_start_at_exit)
+
+
+#: Seconds a process that exits waits for a start of Ray still under way.
 READS_START_EXIT_WAIT_S = 60
 #: The same, for a process that exits because of a Ctrl-C.
 READS_START_INTERRUPTED_WAIT_S = 5
@@ -265,6 +283,8 @@ def _ensure_ray(
             os.environ.setdefault(env.JOINER_RECONNECT_TIMEOUT, str(JOINER_RECONNECT_TIMEOUT_S))
         token_auth = env.ensure_token_auth_mode()
         import ray
+
+        _at_exit_after_ray()
 
         from raydl._internal.ray_compat import cluster as ray_core
 
