@@ -36,6 +36,7 @@ pyarrow.__version__)"
 df -h /dev/shm /tmp | tail -n 2
 step gpu_check 240 python3 benchmarks/gpu_check.py --batches 200 --mb 8
 step gpu_check_32mb 240 python3 benchmarks/gpu_check.py --batches 100 --mb 32
+step gpu_frameworks 180 python3 benchmarks/gpu_frameworks.py
 step train_ddp_map 120 torchrun --nproc_per_node=1 examples/train_ddp.py
 step train_ddp_ray 120 torchrun --nproc_per_node=1 examples/train_ddp.py --source ray
 step unit_device 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_pinned.py \
