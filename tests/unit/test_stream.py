@@ -16,7 +16,7 @@ from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.stream.device import DeviceCopy, HostPinner, copy_stage
 from raydl._internal.stream.dispatch import Dispatcher, ResultTimeout, WorkerLost
 from raydl._internal.stream.epoch_iterator import EpochIterator, Producer
-from raydl._internal.stream.handoff import Handoff, ItemError, Stopped
+from raydl._internal.stream.handoff import Handoff, InlineHandoff, ItemError, Stopped
 from raydl.errors import LoaderTimeoutError, WorkerDiedError
 
 pytestmark = pytest.mark.timeout(30)
@@ -258,12 +258,46 @@ def test_a_failed_batch_passes_the_pin_stage_and_the_epoch_goes_on() -> None:
     assert iterator.num_yielded == 3
 
 
+class InlineProducer(Producer):
+    """``num_workers=0``'s producer: each item made inside ``take``, on the caller's thread."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        it = iter(items)
+        self.made_on: list[str] = []
+
+        def make() -> Any:
+            self.made_on.append(threading.current_thread().name)
+            return next(it)
+
+        self.handoff = InlineHandoff(make)
+
+
 def test_copy_stage_is_there_only_to_pin_or_to_move() -> None:
     source = ListProducer(range(2))
     assert copy_stage(source, device=None, pin=False, depth=2, epoch=0) is source
     pinned = copy_stage(ListProducer(range(2)), device=None, pin=True, depth=2, epoch=3)
-    assert isinstance(pinned, DeviceCopy)
+    assert isinstance(pinned, DeviceCopy) and not isinstance(pinned.handoff, InlineHandoff)
     pinned.close()
+    inline = copy_stage(
+        InlineProducer(range(2)), device=None, pin=True, depth=2, epoch=0, in_process=True
+    )
+    assert isinstance(inline, DeviceCopy) and isinstance(inline.handoff, InlineHandoff)
+
+
+def test_without_workers_batches_are_made_and_pinned_in_the_trainers_next() -> None:
+    """As torch pins with ``num_workers=0``: no thread; the trainer's own thread count."""
+    seen: list[tuple[str, int]] = []
+
+    def pin(batch: Any) -> Any:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return ("pinned", batch)
+
+    source = InlineProducer(range(3))
+    stage = DeviceCopy(source, HostPinner(pin), depth=2, name="unused", inline=True)
+    assert list(EpochIterator(stage, epoch=0)) == [("pinned", i) for i in range(3)]
+    me = threading.current_thread().name
+    assert seen == [(me, torch.get_num_threads())] * 3
+    assert source.made_on == [me] * 4  # the fourth take ended the epoch
 
 
 # -- dispatch over fake calls -----------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from raydl._internal.stream.epoch_iterator import Producer
-from raydl._internal.stream.handoff import Handoff
+from raydl._internal.stream.handoff import Handoff, InlineHandoff
 from raydl._internal.stream.pinned import Fence, PinnedPool
 
 
@@ -224,15 +224,27 @@ class HostPinner:
 
 
 def copy_stage(
-    producer: Producer, *, device: torch.device | None, pin: bool, depth: int, epoch: int
+    producer: Producer,
+    *,
+    device: torch.device | None,
+    pin: bool,
+    depth: int,
+    epoch: int,
+    in_process: bool = False,
 ) -> Producer:
-    """``producer`` behind the stage that moves its batches to ``device``, or pins them, or as is."""
+    """``producer`` behind the stage that moves its batches to ``device``, or pins them, or as is.
+
+    An ``in_process`` epoch (``num_workers=0``) is pinned inside ``next()``, on the
+    trainer's thread, as torch pins without workers: its items are made there too.
+    """
     if device is not None:
         copier: Copier = CudaCopier(device)
         name = f"raydl-epoch-{epoch}-to-{device}"
     elif pin:
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
         copier, name = HostPinner(device_index=current), f"raydl-epoch-{epoch}-pin"
+        if in_process:
+            return DeviceCopy(producer, copier, depth=depth, name=name, inline=True)
     else:
         return producer
     return DeviceCopy(producer, copier, depth=depth, name=name)
@@ -242,12 +254,21 @@ class DeviceCopy(Producer):
     """The batches of ``source``, copied ahead by ``copier`` (``depth`` of them queued).
 
     The trainer's ``taken()`` reaches ``source`` (a map-style sampler is drawn on
-    the trainer's thread), and closing this stage closes ``source``.
+    the trainer's thread), and closing this stage closes ``source``. ``inline``: no
+    thread; each batch is taken and copied inside the trainer's ``next()``
+    (:class:`~raydl._internal.stream.handoff.InlineHandoff`, ``copier.start`` not called).
     """
 
-    def __init__(self, source: Producer, copier: Copier, *, depth: int, name: str) -> None:
+    def __init__(
+        self, source: Producer, copier: Copier, *, depth: int, name: str, inline: bool = False
+    ) -> None:
         self._source = source
         self._copier = copier
+        if inline:
+            self.handoff: Handoff = InlineHandoff(
+                lambda: copier.copy(source.deliver(source.handoff.take(0)))
+            )
+            return
         self.handoff = Handoff(maxsize=max(1, depth))
         self.handoff.start(self._run, name=name)
 
