@@ -440,10 +440,11 @@ class RayDataLoader(Iterable[Any]):
         if isinstance(self._source, RaySource):
             started = self._source.start_epoch(epoch, resume)
         else:
-            # A copy stage (to the device, or pinning) holds batches of its own: the
-            # sampler runs that much further ahead, so the workers keep as much in flight.
+            # A device copy stage holds batches of its own: the sampler runs that much
+            # further ahead, so the workers keep as much in flight (a pin stage's count in
+            # the window, as torch's pin thread's do, and keeps the trainer's stand-ins).
             started = self._source.start_epoch(
-                epoch, resume, lookahead=self._prefetch + 1 if device or pin else 0
+                epoch, resume, lookahead=self._prefetch + 1 if device else 0
             )
         record = self._record = started.record
         if record.epoch != epoch:  # several ranks: rank 0's epoch is everyone's

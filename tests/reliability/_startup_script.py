@@ -18,9 +18,10 @@ Modes:
     read_interrupted_in_an_import: a raydl read, then a Ctrl-C that leaves CPython's import
         lock held (as one that hits an import may), while Ray's start goes on.
     ends_while_ray_starts: ``ray.init`` held for 3 s; a short epoch ends in this process
-        meanwhile, the loader is closed and the script exits while Ray is still starting.
-        Its last exit handler (run after raydl's and Ray's) says whether a start was
-        still under way then (``start under way at exit: True|False``).
+        meanwhile and the script exits while Ray is still starting (its loader not
+        closed). It says whether a start was under way when ``ray.shutdown()`` stopped
+        the instance (``Ray stops its instance, a start under way: True|False``; no line
+        if Ray had no instance to stop) and at its last exit handler, after Ray's.
     gated_read: ``ray.init`` held as in ``gated``; a raydl read returns before Ray is up,
         a ``ds.count()`` of the script waits for raydl's start, and the first epochs of
         two loaders (files order, global shuffle) load in this process meanwhile; then
@@ -103,6 +104,17 @@ def ends_while_ray_starts(record: dict) -> None:
 
     atexit.register(last)
     gate = _hold_ray_init()
+    from ray._private import node
+
+    from raydl._internal.runtime import cluster
+
+    stop_all = node.Node.kill_all_processes
+
+    def noting_stop(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        _say(f"Ray stops its instance, a start under way: {cluster._lock.locked()}")
+        return stop_all(self, *args, **kwargs)
+
+    node.Node.kill_all_processes = noting_stop  # what ray.shutdown() calls to stop it
     opens = threading.Timer(3.0, gate.set)
     opens.daemon = True  # the interpreter's exit does not wait for it
     opens.start()
@@ -111,7 +123,7 @@ def ends_while_ray_starts(record: dict) -> None:
     loader = RayDataLoader(torch.arange(16.0), batch_size=4, num_workers=2)
     record["batches"] = [b.tolist() for b in loader]  # loaded here while Ray is held
     record["ray_held_at_the_end"] = not gate.is_set()
-    loader.close()
+    # not closed, as many scripts end: the start must not go on to make actors
 
 
 def epochs(record: dict, count: int) -> None:

@@ -243,7 +243,7 @@ def test_pin_memory_pins_on_the_stage_thread_with_one_intra_op_thread() -> None:
     stage = DeviceCopy(ListProducer(range(5)), HostPinner(pin), depth=2, name="raydl-test-pin")
     assert list(EpochIterator(stage, epoch=0)) == [("pinned", i) for i in range(5)]
     assert seen == [("raydl-test-pin", 1)] * 5
-    assert torch.get_num_threads() == threads  # the trainer's own count is untouched
+    assert torch.get_num_threads() == threads  # the trainer's thread's count is untouched
 
 
 def test_a_failed_batch_passes_the_pin_stage_and_the_epoch_goes_on() -> None:
@@ -282,6 +282,12 @@ def test_copy_stage_is_there_only_to_pin_or_to_move() -> None:
         InlineProducer(range(2)), device=None, pin=True, depth=2, epoch=0, in_process=True
     )
     assert isinstance(inline, DeviceCopy) and isinstance(inline.handoff, InlineHandoff)
+    # The trainer's stand-ins load in deliver(), on the trainer's thread: pinned there too.
+    standing_in = ListProducer(range(2))
+    standing_in.loads_in_deliver = True
+    here = copy_stage(standing_in, device=None, pin=True, depth=2, epoch=0)
+    assert isinstance(here, DeviceCopy) and isinstance(here.handoff, InlineHandoff)
+    assert list(EpochIterator(here, epoch=0)) == [0, 1]
 
 
 def test_without_workers_batches_are_made_and_pinned_in_the_trainers_next() -> None:
@@ -793,6 +799,7 @@ def _map_style_epoch(
         here=stand_ins,  # type: ignore[arg-type]
         start_of=lambda pool: start,
     )
+    assert producer.loads_in_deliver  # a copy stage must take its items on this thread
     got = []
     for batch in EpochIterator(producer, epoch=0):
         got.append(batch)

@@ -26,7 +26,6 @@ would otherwise linger for a minute.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import json
@@ -55,6 +54,9 @@ RAY_DATA_WORKERS = ("ray.data",)
 _CLUSTER_KEY = "cluster"
 
 _lock = threading.Lock()
+_registering = threading.Lock()  # wait_for_starts_at_exit's, never held across a start
+_exit_wait_registered = False
+_exiting = threading.Event()
 _started_by_raydl = False
 _owner_stop: threading.Event | None = None  # parks the thread that started the instance
 _reads_start: threading.Thread | None = None  # begin_ray_for_reads' start, while it runs
@@ -153,6 +155,7 @@ def begin_ray_for_reads() -> bool:
 
     data_context.get_current()  # made first here, without Ray's state API (ray_compat.context)
 
+    wait_for_starts_at_exit()
     with _lock:
         if is_connected():
             return False
@@ -163,7 +166,6 @@ def begin_ray_for_reads() -> bool:
             target=_start_for_reads, args=(release,), name="raydl-ray-start", daemon=True
         )
         _reads_start.start()
-    _at_exit_after_ray()
     return True
 
 
@@ -183,6 +185,30 @@ def _start_for_reads(release: Callable[[], None]) -> None:
         release()
 
 
+def wait_for_starts_at_exit() -> None:
+    """Make the interpreter's exit wait for a start of Ray under way (registered once).
+
+    Through threading's exit hook (CPython's ``threading._register_atexit``, which
+    ``concurrent.futures`` uses for the same reason): it runs before every ``atexit``
+    handler, Ray's ``ray.shutdown`` among them, whatever was imported when. Called
+    on the thread that begins a start, before it can begin.
+    """
+    global _exit_wait_registered
+    with _registering:
+        if _exit_wait_registered:
+            return
+        try:
+            threading._register_atexit(_finish_start_at_exit)  # type: ignore[attr-defined]
+        except RuntimeError:  # the interpreter is exiting already
+            return
+        _exit_wait_registered = True
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting: a start under way should stop after ``ray.init``."""
+    return _exiting.is_set()
+
+
 def _finish_start_at_exit() -> None:
     """At exit: let a start under way end before Ray's own exit handler stops the instance.
 
@@ -191,8 +217,8 @@ def _finish_start_at_exit() -> None:
     while the background start is still in ``ray.init``). Exiting during
     ``ray.init`` let C++ static destructors run under Ray's gRPC threads: its token
     interceptor then sent a freed header and gRPC aborted the process
-    (``validate_metadata: Illegal header value``, exit status 134). Registered after
-    ``import ray`` so that it runs before Ray's handler (``atexit`` runs last first).
+    (``validate_metadata: Illegal header value``, exit status 134). Once ``ray.init``
+    has returned, the start goes no further (:func:`exiting`: no actors to make).
 
     A Ctrl-C may have hit the main thread inside an import and left CPython's import
     lock held (``interrupt.release_import_lock_left_held``): the start's ``ray.init``
@@ -200,6 +226,7 @@ def _finish_start_at_exit() -> None:
     a Ctrl-C the wait is brief: the user asked to stop, and Ray's processes share the
     fate of this one either way.
     """
+    _exiting.set()
     thread = _reads_start
     reads = thread is not None and thread.is_alive()
     if not reads and not _lock.locked():
@@ -212,10 +239,13 @@ def _finish_start_at_exit() -> None:
         _lock.release()
 
 
-def _at_exit_after_ray() -> None:
-    """(Re-)register :func:`_finish_start_at_exit` once, after Ray's own exit handler."""
-    atexit.unregister(_finish_start_at_exit)
-    atexit.register(_finish_start_at_exit)
+def _forget_the_parents_start() -> None:
+    """In a forked child: a start under way in the parent is not this process's to wait for."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_start)
 
 
 #: Seconds a process that exits waits for a start of Ray still under way.
@@ -275,6 +305,7 @@ def _ensure_ray(
     preload: Sequence[str] = (),
 ) -> None:
     global _started_by_raydl
+    wait_for_starts_at_exit()
     with _lock:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             return
@@ -283,8 +314,6 @@ def _ensure_ray(
             os.environ.setdefault(env.JOINER_RECONNECT_TIMEOUT, str(JOINER_RECONNECT_TIMEOUT_S))
         token_auth = env.ensure_token_auth_mode()
         import ray
-
-        _at_exit_after_ray()
 
         from raydl._internal.ray_compat import cluster as ray_core
 

@@ -73,6 +73,7 @@ class BackgroundStart:
     ) -> BackgroundStart:
         """Start the thread; returns at once."""
         start = cls(connect, warm, name)
+        cluster.wait_for_starts_at_exit()  # before the thread can begin to start Ray
         start._thread.start()
         return start
 
@@ -80,8 +81,8 @@ class BackgroundStart:
         try:
             self._connect()
             warm = self._warm
-            if warm is None or self.cancelled:
-                return
+            if warm is None or self.cancelled or cluster.exiting():
+                return  # (the interpreter exits: no actors to make under Ray's shutdown)
             built = warm.build()
             with self._lock:
                 adopted = not self._cancelled

@@ -212,7 +212,7 @@ class HostPinner:
         self._device_index = device_index
 
     def start(self) -> None:
-        torch.set_num_threads(1)  # this thread's only (OpenMP), as torch's pin thread
+        torch.set_num_threads(1)  # as torch's pin thread (OpenMP: this thread's count)
         if self._device_index is not None:
             torch.cuda.set_device(self._device_index)
 
@@ -235,15 +235,17 @@ def copy_stage(
     """``producer`` behind the stage that moves its batches to ``device``, or pins them, or as is.
 
     An ``in_process`` epoch (``num_workers=0``) is pinned inside ``next()``, on the
-    trainer's thread, as torch pins without workers: its items are made there too.
+    trainer's thread, as torch pins without workers: its items are made there too; so
+    is an epoch whose first batches the trainer's stand-ins load (``loads_in_deliver``).
     """
     if device is not None:
+        assert not producer.loads_in_deliver, "a device copy starts no stand-ins (lookahead)"
         copier: Copier = CudaCopier(device)
         name = f"raydl-epoch-{epoch}-to-{device}"
     elif pin:
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
         copier, name = HostPinner(device_index=current), f"raydl-epoch-{epoch}-pin"
-        if in_process:
+        if in_process or producer.loads_in_deliver:
             return DeviceCopy(producer, copier, depth=depth, name=name, inline=True)
     else:
         return producer

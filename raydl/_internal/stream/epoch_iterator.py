@@ -38,6 +38,9 @@ class Producer:
     """
 
     handoff: Handoff
+    #: ``deliver`` may load a batch itself (the trainer's stand-ins for workers still
+    #: starting): the epoch's items must then be taken on the trainer's thread.
+    loads_in_deliver = False
 
     def taken(self, waited: float) -> None:
         """Called on the trainer's thread after each batch it took, ``waited`` s after asking.

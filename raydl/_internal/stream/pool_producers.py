@@ -201,6 +201,7 @@ class MapStyleProducer(PoolProducer):
         self._dispatch: Dispatcher | None = None
         self._here = here if start_of is not None else None  # the fetch thread's, once started
         self._stand_ins = self._here  # the trainer's
+        self.loads_in_deliver = self._here is not None
         # The workers the trainer loads as, in turn: torch's round-robin over a fixed count,
         # or (num_workers="auto": which worker loads a batch varies) the rule's first alone.
         auto_workers = tuner is not None and tuner.auto_workers
