@@ -145,6 +145,32 @@ def test_a_restarted_job_never_reads_the_previous_attempts_value(
         again.lookup("cluster", 0.5, what="rank 0's Ray cluster")
 
 
+def test_a_wait_for_rank_0_stops_when_told_and_never_blocks_in_the_store(
+    agent_store: dist.TCPStore,
+) -> None:
+    """The wait polls (a thread woken in the store's C++ wait at exit aborts the process)."""
+    rank1 = Rendezvous.from_torchrun(World(1, 2))
+    assert rank1 is not None
+    told = threading.Event()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            rank1.lookup("cluster", 60, what="rank 0's Ray cluster", stop=told.is_set)
+        except BaseException as err:
+            errors.append(err)
+
+    looker = threading.Thread(target=wait)
+    looker.start()
+    looker.join(0.3)
+    assert looker.is_alive()  # nothing published: still waiting
+    told.set()  # the process exits
+    looker.join(2)
+    assert not looker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RayDLError)
+    assert "the process is exiting; it no longer waits for rank 0's Ray cluster" in str(errors[0])
+
+
 def test_outside_torchrun_there_is_no_store(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert Rendezvous.from_torchrun(World(1, 2)) is None

@@ -55,6 +55,7 @@ _CLUSTER_KEY = "cluster"
 
 _lock = threading.Lock()
 _registering = threading.Lock()  # wait_for_starts_at_exit's, never held across a start
+_looking_up = threading.Lock()  # held while this rank waits for rank 0's address
 _exit_wait_registered = False
 _exiting = threading.Event()
 _started_by_raydl = False
@@ -227,6 +228,8 @@ def _finish_start_at_exit() -> None:
     fate of this one either way.
     """
     _exiting.set()
+    if _looking_up.acquire(timeout=1.0):  # a wait for rank 0's address sees it and ends
+        _looking_up.release()
     thread = _reads_start
     reads = thread is not None and thread.is_alive()
     if not reads and not _lock.locked():
@@ -241,8 +244,8 @@ def _finish_start_at_exit() -> None:
 
 def _forget_the_parents_start() -> None:
     """In a forked child: a start under way in the parent is not this process's to wait for."""
-    global _lock
-    _lock = threading.Lock()
+    global _lock, _looking_up
+    _lock, _looking_up = threading.Lock(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_the_parents_start)
@@ -268,6 +271,8 @@ def _ensure_shared_cluster(
         _ensure_ray(None, num_cpus=num_cpus, object_store_memory=object_store_memory)
         import ray
 
+        if exiting():  # started under the exit's wait: no rank joins it now
+            return
         handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
         if rendezvous is not None:
             rendezvous.publish(_CLUSTER_KEY, json.dumps(handshake))
@@ -275,9 +280,11 @@ def _ensure_shared_cluster(
             Channel.get(world).broadcast(handshake)
         return
     if rendezvous is not None:
-        gcs_address, token = json.loads(
-            rendezvous.lookup(_CLUSTER_KEY, RANK0_START_TIMEOUT_S, what="rank 0's Ray cluster")
-        )
+        with _looking_up:  # the exit waits for this wait to end (it stops when told)
+            found = rendezvous.lookup(
+                _CLUSTER_KEY, RANK0_START_TIMEOUT_S, what="rank 0's Ray cluster", stop=exiting
+            )
+        gcs_address, token = json.loads(found)
     else:
         gcs_address, token = Channel.get(world).broadcast(None)
     import ray
@@ -309,6 +316,11 @@ def _ensure_ray(
     with _lock:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             return
+        if _exiting.is_set():
+            # Checked under the lock that the exit's wait looks at: a start that got here
+            # first is waited for; one that comes later (another rank's address, read
+            # from torchrun's store only now) must not begin Ray under the exit.
+            raise RayDLError("the interpreter is exiting: raydl does not start Ray now")
         if token:
             os.environ[env.RAY_AUTH_TOKEN] = token  # rank 0's, to join its cluster
             os.environ.setdefault(env.JOINER_RECONNECT_TIMEOUT, str(JOINER_RECONNECT_TIMEOUT_S))

@@ -11,6 +11,8 @@ gloo) the training uses, and its barrier has a timeout that names a dead rank.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,13 +152,40 @@ class Rendezvous:
         """Set ``key`` for this run (rank 0)."""
         self._store(60).set(self._prefix + key, value)
 
-    def lookup(self, key: str, timeout_s: float, *, what: str) -> str:
-        """``key``'s value once rank 0 published it; fail within ``timeout_s`` naming ``what``."""
+    def lookup(
+        self, key: str, timeout_s: float, *, what: str, stop: Callable[[], bool] = lambda: False
+    ) -> str:
+        """``key``'s value once rank 0 published it; fail within ``timeout_s`` naming ``what``.
+
+        Polled (``check``, then a short sleep in Python), never a blocking ``get``: a
+        thread that wakes from the store's C++ wait while the interpreter exits is ended
+        by CPython through C++ frames, which aborts the process (``terminate called
+        without an active exception``; rank 0's exit publishes late when it waits for its
+        own start). ``stop()`` true (this process exits) ends the wait with an error.
+        """
+        name = self._prefix + key
+        deadline = time.monotonic() + timeout_s
         try:
-            return bytes(self._store(timeout_s).get(self._prefix + key)).decode()
+            store = self._store(timeout_s)
+            while not store.check([name]):
+                if stop():
+                    raise RayDLError(
+                        f"rank {self.world.rank}: the process is exiting; it no longer waits "
+                        f"for {what}."
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no {name!r} after {timeout_s:g} s")
+                time.sleep(LOOKUP_POLL_S)
+            return bytes(store.get(name)).decode()
+        except RayDLError:
+            raise
         except RuntimeError as err:  # torch's DistStoreError is a RuntimeError
             raise RayDLError(
                 f"rank {self.world.rank}: {what} was not published within {timeout_s:g} s "
                 f"through torchrun's store ({err}). Rank 0 has died or is still starting; "
                 "see its log."
             ) from err
+
+
+#: Seconds between a lookup's checks of torchrun's store.
+LOOKUP_POLL_S = 0.05
