@@ -450,9 +450,8 @@ class RayDataLoader(Iterable[Any]):
         if record.epoch != epoch:  # several ranks: rank 0's epoch is everyone's
             self._expect(record.epoch + 1)
         producer = copy_stage(
-            started.producer, device=device, pin=pin, depth=self._prefetch, epoch=record.epoch,
-            in_process=self._source.in_process,
-        )  # fmt: skip
+            started.producer, device=device, pin=pin, depth=self._prefetch, epoch=record.epoch
+        )
         iterator = EpochIterator(
             producer,
             epoch=record.epoch,

@@ -278,9 +278,7 @@ def test_copy_stage_is_there_only_to_pin_or_to_move() -> None:
     pinned = copy_stage(ListProducer(range(2)), device=None, pin=True, depth=2, epoch=3)
     assert isinstance(pinned, DeviceCopy) and not isinstance(pinned.handoff, InlineHandoff)
     pinned.close()
-    inline = copy_stage(
-        InlineProducer(range(2)), device=None, pin=True, depth=2, epoch=0, in_process=True
-    )
+    inline = copy_stage(InlineProducer(range(2)), device=None, pin=True, depth=2, epoch=0)
     assert isinstance(inline, DeviceCopy) and isinstance(inline.handoff, InlineHandoff)
     # The trainer's stand-ins load in deliver(), on the trainer's thread: pinned there too.
     standing_in = ListProducer(range(2))

@@ -230,13 +230,13 @@ def copy_stage(
     pin: bool,
     depth: int,
     epoch: int,
-    in_process: bool = False,
 ) -> Producer:
     """``producer`` behind the stage that moves its batches to ``device``, or pins them, or as is.
 
-    An ``in_process`` epoch (``num_workers=0``) is pinned inside ``next()``, on the
-    trainer's thread, as torch pins without workers: its items are made there too; so
-    is an epoch whose first batches the trainer's stand-ins load (``loads_in_deliver``).
+    An epoch whose items are made on the trainer's thread is pinned there, inside
+    ``next()``: one loading in process (``num_workers=0``, an ``InlineHandoff``), as
+    torch pins without workers, and one whose first batches the trainer's stand-ins
+    load (``loads_in_deliver``).
     """
     if device is not None:
         assert not producer.loads_in_deliver, "a device copy starts no stand-ins (lookahead)"
@@ -245,7 +245,7 @@ def copy_stage(
     elif pin:
         current = torch.cuda.current_device() if torch.cuda.is_available() else None
         copier, name = HostPinner(device_index=current), f"raydl-epoch-{epoch}-pin"
-        if in_process or producer.loads_in_deliver:
+        if isinstance(producer.handoff, InlineHandoff) or producer.loads_in_deliver:
             return DeviceCopy(producer, copier, depth=depth, name=name, inline=True)
     else:
         return producer
