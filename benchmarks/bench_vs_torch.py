@@ -31,7 +31,10 @@ epochs of both rounds), ``ttfb_cold_s`` (process start to first batch, Ray start
 included), ``ttfb_warm_s`` (``iter()`` to first batch in later epochs), ``peak_mem_mb``
 (PSS of the process tree, Ray's processes included), ``stall_fraction`` (share of an
 epoch spent outside a simulated training step that consumes at 0.5x the ``limit``
-rate: the second of two epochs at that demand, the step's time measured) and
+rate: the second of two epochs at that demand, the step's time measured),
+``ttfb_paced_s`` (``iter()`` to first batch in that paced epoch, at the fastest demand run:
+1.0x the ``limit`` rate in full mode; a training loop gives the loader the previous epoch's
+length to prepare the next, which a loop that only iterates does not) and
 ``exactly_once`` (every expected sample id delivered exactly once in every epoch). The run exits 1 when a contender loses or duplicates samples or fails.
 
 Writes ``OUT/results.json``, ``OUT/results.png``, ``OUT/runs.json`` (every

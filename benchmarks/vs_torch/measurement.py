@@ -215,6 +215,9 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
         time.sleep(who.pause_s)  # the script's own work between building and iter() (issue 18)
     stats: list[EpochStats] = []
     stalls: dict[str, float] = {}
+    # Time to first batch of a warm epoch under a training step: the loader has the
+    # previous epoch's length to prepare the next one, as in training (issue 15).
+    paced_ttfb: dict[str, float] = {}
     ttfb_cold = -1.0
     # Each demand runs two epochs and the second is measured: a training loop at that
     # demand is slow in every epoch, while the first one follows a full-speed epoch.
@@ -239,8 +242,9 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
                     file=sys.stderr,
                 )
             stats.append(epoch_stats)
-            if stall_name:
+            if stall_name:  # the second epoch of each demand wins: it follows a paced one
                 stalls[stall_name] = epoch_stats.stall_fraction
+                paced_ttfb[stall_name] = epoch_stats.ttfb_s
         autotune = _autotune(loader)
     finally:
         loader.close()
@@ -258,6 +262,7 @@ def run_worker(name: str, workload: str, cfg: WorkerConfig) -> dict[str, Any]:
         "peak_mem_mb": peak / 2**20,
         "peak_mem_by_kind_mb": {k: round(v / 2**20, 1) for k, v in sorted(memory.by_kind.items())},
         "stall_fraction": stalls,
+        "paced_ttfb_s": paced_ttfb,
         "exactly_once": all(s.exactly_once for s in stats),
         "epochs": [asdict(s) for s in stats],
         "autotune": autotune,
@@ -295,6 +300,22 @@ def _autotune(loader: Any) -> dict[str, Any] | None:
     return report
 
 
+def _paced_ttfb(runs: list[dict[str, Any]]) -> tuple[str, float] | None:
+    """The warm time to first batch under the fastest simulated training step the runs had.
+
+    Args:
+        runs: The rounds' raw measurements, without failed ones.
+
+    Returns:
+        ``(demand, median seconds)`` (demand as ``"1.0x"``), or ``None`` without paced epochs.
+    """
+    paced = [r["paced_ttfb_s"] for r in runs if r.get("paced_ttfb_s")]
+    if not paced:
+        return None
+    demand = max(paced[0], key=lambda name: float(name.rstrip("x")))
+    return demand, statistics.median(p[demand] for p in paced if demand in p)
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Fold the rounds of one workload x contender into the published metrics.
 
@@ -314,6 +335,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "pause_s": None,
             "peak_mem_mb": None,
             "stall_fraction": None,
+            "ttfb_paced_s": None,
             "exactly_once": False,
             "error": "; ".join(r["error"] for r in runs),
         }
@@ -326,6 +348,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "pause_s": ok[0].get("pause_s", 0.0),
         "peak_mem_mb": max(r["peak_mem_mb"] for r in ok),
         "stall_fraction": statistics.median(s["0.5x"] for s in stalls) if stalls else None,
+        "ttfb_paced_s": _paced_ttfb(ok),
         "exactly_once": len(ok) == len(runs) and all(r["exactly_once"] for r in ok),
         "peak_mem_by_kind_mb": max(ok, key=lambda r: r["peak_mem_mb"]).get("peak_mem_by_kind_mb"),
     }

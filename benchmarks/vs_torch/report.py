@@ -179,18 +179,20 @@ def markdown(results: Results) -> str:
 
     lines = [
         "| workload | contender | samples/s | ttfb cold s | ttfb 1st iter() s | ttfb warm s "
-        "| peak MB | stall @0.5x | exactly once |",
-        "|---|---|---:|---:|---:|---:|---:|---:|:---:|",
+        "| ttfb warm, paced s | peak MB | stall @0.5x | exactly once |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for workload, by_name in results.items():
         for name, m in by_name.items():
             first = fmt(m.get("ttfb_first_iter_s"), ".2f")
             if m.get("pause_s"):
                 first += f" (after {m['pause_s']:g} s)"
+            paced = m.get("ttfb_paced_s")
+            paced_cell = "n/a" if not paced else f"{paced[1]:.3f} (@{paced[0]})"
             lines.append(
                 f"| {workload} | {name} | {fmt(m['samples_per_s'], ',.0f')} | "
                 f"{fmt(m['ttfb_cold_s'], '.2f')} | {first} | {fmt(m['ttfb_warm_s'], '.3f')} | "
-                f"{fmt(m['peak_mem_mb'], ',.0f')} | {fmt(m['stall_fraction'], '.1%')} | "
+                f"{paced_cell} | {fmt(m['peak_mem_mb'], ',.0f')} | {fmt(m['stall_fraction'], '.1%')} | "
                 f"{'yes' if m['exactly_once'] else 'NO'} |"
             )
     lines += ["", "| workload | raydl/torch | raydl/ray | raydl/limit | raydl_global/torch |"]
