@@ -319,6 +319,13 @@ def parse_args(
         help="run the tabular workload under torchrun with N ranks each (e.g. 1 2)",
     )
     parser.add_argument(
+        "--ddp-step",
+        choices=("all_reduce", "none"),
+        default="all_reduce",
+        help="with --ranks: the per-batch step, a DDP-like all_reduce (default) or none "
+        "(to see what the step itself costs)",
+    )
+    parser.add_argument(
         "--rank-worker", nargs=2, metavar=("CONTENDER", "WORKLOAD"), help=argparse.SUPPRESS
     )
     parser.add_argument("--record", help=argparse.SUPPRESS)

@@ -22,6 +22,11 @@ interleaved rounds (round 2 in reverse order). Each rank:
   has data: all ranks stop at the first step where one is out. torch's shards can give the
   ranks unequal batch counts, and a rank that stopped stepping would leave the others
   blocked in ``all_reduce``; raydl's ranks get equal counts, and stop together;
+* then runs ``PACED_EPOCHS`` more epochs with a simulated training step per batch (a sleep
+  of ``PACE`` times the rank's median warm time per batch): their time to first batch is
+  the one a training loop sees, which gives the loader an epoch's length to prepare the
+  next (a loop that only iterates leaves a global shuffle's barrier in every epoch);
+  ``--ddp-step none`` drops the ``all_reduce`` (to measure what the step costs);
 * writes ``RECORD.rank<r>.json`` (per epoch: wall time from ``iter()`` to the last step,
   samples and batches consumed, time to first batch, whether its iterator ran out) and
   ``RECORD.rank<r>.npz`` (the ids it consumed, per epoch).
@@ -37,7 +42,9 @@ both rounds): the aggregate samples/s, all ranks' samples of an epoch over the s
 rank's epoch time; the ratio to ``torch`` at the same N; the ratio to the contender's own
 1-rank figure; the slowest rank's epoch time, time to first batch (cold: the rank's start
 to its first batch, Ray start included; warm: ``iter()`` to first batch; the slowest rank);
-the batches per rank and the DDP steps taken in the first warm epoch.
+the batches per rank and the DDP steps taken in the first warm epoch; the paced time to
+first batch (the last paced epoch, slowest rank). Paced epochs are checked for exactly-once
+delivery like the others and left out of every other figure.
 
 Writes ``OUT/results_ranks.json``, ``OUT/results_ranks.png``, ``OUT/runs_ranks.json``,
 ``OUT/ranks/`` (the ranks' records) and ``OUT/logs/``; prints a markdown table.
@@ -73,6 +80,20 @@ from .workloads.tabular import stream_shard
 
 #: The workloads ``--ranks`` runs.
 RANK_WORKLOADS = ("tabular",)
+#: The environment variable that carries ``--ddp-step`` to the ranks.
+DDP_STEP_ENV = "RAYDL_BENCH_DDP_STEP"
+#: Paced epochs after the timed ones: a training step of ``PACE`` times the rank's own
+#: median warm time per batch (so the loop runs at 1 / PACE of what the loader gave).
+PACE = 2.0
+PACED_EPOCHS = 2
+#: ``--ddp-step`` choices, as the report describes them.
+DDP_STEPS = {
+    "all_reduce": "a 1-element all_reduce per batch that carries a has-data flag; every rank "
+    "stops at the first step where any rank is out of data (torch's per-rank batch counts can "
+    "differ: 'batches/rank' shows consumed / available)",
+    "none": "none (--ddp-step none): each rank iterates its own batches, no collective per "
+    "batch; a diagnosis of what the DDP step costs, not a training loop",
+}
 
 
 def rank_contenders(workload: str) -> list[str]:
@@ -100,24 +121,31 @@ class RankEpoch:
     seconds: float
     ttfb_s: float
     exhausted: bool  # its iterator ran out (otherwise another rank's did first)
+    step_s: float = 0.0  # the simulated training step per batch (0: a timed epoch)
 
 
-def ddp_epoch(batches: Iterable[Any], epoch: int) -> tuple[RankEpoch, np.ndarray]:
+def ddp_epoch(
+    batches: Iterable[Any], epoch: int, *, step_s: float = 0.0
+) -> tuple[RankEpoch, np.ndarray]:
     """Iterate one epoch the way a DDP training loop does: an ``all_reduce`` per step.
 
     The step's 1-element tensor holds 1 while this rank has a batch, 0 once it has none;
     its sum is below the world size as soon as one rank is out, and then every rank stops
     (the batch in hand is not trained on). Every rank therefore makes the same number of
-    ``all_reduce`` calls, and none blocks.
+    ``all_reduce`` calls, and none blocks. With ``RAYDL_BENCH_DDP_STEP=none`` in the
+    environment (``--ddp-step none``) there is no ``all_reduce``: each rank stops when its
+    own batches run out (a diagnosis of what the step itself costs, not a DDP loop).
 
     Args:
         batches: The rank's batches of the epoch.
         epoch: The epoch's number.
+        step_s: Seconds of simulated training per batch (a sleep; 0: none).
 
     Returns:
         The epoch's measurements and the ids of the batches stepped on, in order.
     """
     world_size = dist.get_world_size()
+    synced = os.environ.get(DDP_STEP_ENV, "all_reduce") != "none"
     start = time.perf_counter()
     ttfb = -1.0
     ids: list[torch.Tensor] = []
@@ -128,13 +156,16 @@ def ddp_epoch(batches: Iterable[Any], epoch: int) -> tuple[RankEpoch, np.ndarray
         if batch is not None and ttfb < 0:
             ttfb = time.perf_counter() - start
         flag.fill_(0.0 if batch is None else 1.0)
-        dist.all_reduce(flag)  # the DDP step
-        if batch is None or int(flag.item()) < world_size:
+        if synced:
+            dist.all_reduce(flag)  # the DDP step
+        if batch is None or (synced and int(flag.item()) < world_size):
             break
         ids.append(batch_ids(batch))
+        if step_s:
+            time.sleep(step_s)
     seconds = time.perf_counter() - start
     got = torch.cat(ids).numpy() if ids else np.empty(0, dtype=np.int64)
-    return RankEpoch(epoch, len(got), len(ids), seconds, ttfb, batch is None), got
+    return RankEpoch(epoch, len(got), len(ids), seconds, ttfb, batch is None, step_s), got
 
 
 def main_rank(name: str, workload: str, cfg: WorkerConfig, record: str) -> int:
@@ -158,8 +189,11 @@ def main_rank(name: str, workload: str, cfg: WorkerConfig, record: str) -> int:
     ids: list[np.ndarray] = []
     ttfb_cold = -1.0
     try:
-        for epoch in range(1 + cfg.epochs):
-            stats, got = ddp_epoch(loader.epoch(epoch), epoch)
+        for epoch in range(1 + cfg.epochs + PACED_EPOCHS):
+            step_s = 0.0
+            if epoch > cfg.epochs:  # paced: the time to first batch a training loop sees
+                step_s = PACE * statistics.median(e.seconds / e.batches for e in epochs[1:])
+            stats, got = ddp_epoch(loader.epoch(epoch), epoch, step_s=step_s)
             if epoch == 0:
                 ttfb_cold = time.perf_counter() - process_start - stats.seconds + stats.ttfb_s
             epochs.append(stats)
@@ -199,7 +233,13 @@ def free_port() -> int:
 
 
 def spawn_ranks(
-    name: str, workload: str, cfg: WorkerConfig, ranks: int, record: Path, timeout_s: float
+    name: str,
+    workload: str,
+    cfg: WorkerConfig,
+    ranks: int,
+    record: Path,
+    timeout_s: float,
+    ddp_step: str = "all_reduce",
 ) -> dict[str, Any]:
     """Launch ``torchrun`` with ``ranks`` ranks of one contender and read their records.
 
@@ -210,6 +250,7 @@ def spawn_ranks(
         ranks: ``--nproc_per_node``.
         record: The ranks' records' path prefix; torchrun's output goes to ``record.log``.
         timeout_s: How long the launch may run (then its process group is killed).
+        ddp_step: ``all_reduce`` (a DDP loop) or ``none`` (``--ddp-step``).
 
     Returns:
         ``{"ranks": [each rank's record], "wall_s": ...}``, or ``{"error": ...}``.
@@ -231,7 +272,7 @@ def spawn_ranks(
         str(record),
     ]
     # torchrun sets OMP_NUM_THREADS=1 for N > 1 (and warns); set it for N = 1 as well.
-    env = dict(worker_env(), OMP_NUM_THREADS="1")
+    env = dict(worker_env(), OMP_NUM_THREADS="1", **{DDP_STEP_ENV: ddp_step})
     log = record.with_suffix(".log")
     start = time.perf_counter()
     with log.open("w") as out:
@@ -354,6 +395,7 @@ def check_run(name: str, run: dict[str, Any], expected: Expected) -> dict[str, A
             "missing": int(missing),
             "duplicated": int(duplicated),
             "stray": stray,
+            "paced": any(p.get("step_s", 0.0) > 0 for p in per_rank),
         }
         ok = duplicated == 0 and stray == 0
         if name == "torch":
@@ -399,14 +441,18 @@ def summarise_ranks(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "exactly_once": False,
             "error": "; ".join(r["error"] for r in runs),
         }
-    warm = [e for r in ok for e in r["epochs"][1:]] or [e for r in ok for e in r["epochs"]]
-    first = ok[0]["epochs"][1 if len(ok[0]["epochs"]) > 1 else 0]
+    timed = [[e for e in r["epochs"] if not e.get("paced")] for r in ok]
+    warm = [e for t in timed for e in t[1:]] or [e for t in timed for e in t]
+    first = timed[0][1 if len(timed[0]) > 1 else 0]
+    paced = [[e for e in r["epochs"] if e.get("paced")] for r in ok]
     out: dict[str, Any] = {
         "samples_per_s": statistics.median(e["samples_per_s"] for e in warm),
         "slowest_epoch_s": statistics.median(e["slowest_s"] for e in warm),
         "samples_per_epoch": statistics.median(e["samples"] for e in warm),
         "ttfb_cold_s": statistics.median(r["ttfb_cold_s"] for r in ok),
         "ttfb_warm_s": statistics.median(e["ttfb_s"] for e in warm),
+        # The last paced epoch of each round: it follows a paced one.
+        "ttfb_paced_s": statistics.median(p[-1]["ttfb_s"] for p in paced) if all(paced) else None,
         "batches": first["batches"],
         "available_batches": first.get("available_batches"),
         "max_missing": max(e["missing"] for r in ok for e in r["epochs"]),
@@ -460,7 +506,7 @@ def main_ranks(
         for round_no, order in ((1, pairs), (2, pairs[::-1])):
             for name, n in order:
                 record = out / "ranks" / f"{workload}-{name}-x{n}-round{round_no}"
-                run = spawn_ranks(name, workload, base, n, record, timeout_s)
+                run = spawn_ranks(name, workload, base, n, record, timeout_s, args.ddp_step)
                 if "error" not in run:
                     run = {**check_run(name, run, expected), "wall_s": run["wall_s"]}
                 run.update(contender=name, workload=workload, ranks=n, round=round_no)
@@ -469,7 +515,8 @@ def main_ranks(
                 if "error" in run:
                     print(f"  {workload} {name:13s} x{n} round {round_no}: FAILED {run['error']}")
                     continue
-                rates = [e["samples_per_s"] for e in run["epochs"][1:]] or [0.0]
+                timed = [e for e in run["epochs"][1:] if not e["paced"]]
+                rates = [e["samples_per_s"] for e in timed] or [0.0]
                 print(
                     f"  {workload} {name:13s} x{n} round {round_no}: "
                     f"{statistics.median(rates):10,.0f} samples/s (all ranks), "
@@ -494,8 +541,9 @@ def main_ranks(
         "counts": counts,
         "launcher": "python -m torch.distributed.run --nproc_per_node=N (gloo)",
         "cpu_budget": f"{NUM_CPUS} CPUs per node, shared by its ranks",
-        "ddp_step": "a 1-element all_reduce per batch carrying a has-data flag; "
-        "all ranks stop at the first step where one is out of data",
+        "ddp_step": DDP_STEPS[args.ddp_step],
+        "paced": f"{PACED_EPOCHS} epochs after the timed ones with a training step of {PACE:g}x "
+        "the rank's median warm time per batch; 'ttfb warm, paced' is the last one's",
         "samples_per_s": "all ranks' samples of a warm epoch / the slowest rank's epoch time",
     }
     (out / "results_ranks.json").write_text(
@@ -506,11 +554,7 @@ def main_ranks(
     print()
     print(f"{meta['date']}, {machine_info['cpu']}, {NUM_CPUS} CPUs per node, {mode}")
     print(markdown_ranks(results))
-    print(
-        "\nDDP step: a 1-element all_reduce per batch that carries a has-data flag; every "
-        "rank stops at the first step where any rank is out of data (torch's per-rank "
-        "batch counts can differ: 'batches/rank' shows consumed / available)."
-    )
+    print(f"\nDDP step: {DDP_STEPS[args.ddp_step]}.")
     print(f"\nwrote {out / 'results_ranks.json'}, {out / 'results_ranks.png'}")
     failed = [
         f"{w}/{name}/x{n}"
