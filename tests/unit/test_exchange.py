@@ -453,6 +453,32 @@ def test_the_fingerprint_follows_the_order_of_batches_and_of_rows() -> None:
     assert run([nested]) == run([nested])  # nested tensors have no shape: counted by kind
 
 
+def test_the_fingerprint_reads_any_tensor_a_batch_may_hold_and_keeps_its_values() -> None:
+    import torch
+
+    from raydl._internal.stream.metrics import fingerprint_step
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(100, 3, 8, generator=g)
+    batch = {"x": x, "id": torch.arange(100)}
+    # The value earlier versions computed: a resumed run compares the fingerprint its state
+    # carries with the one it goes on from, so the function must not change.
+    first = fingerprint_step("", batch)
+    step = fingerprint_step(first, (np.arange(30, dtype=np.float32).reshape(10, 3), 1))
+    assert step == "90e5b3aa0522b97534eaadd8"
+    assert first == fingerprint_step("", {"x": x.numpy()})  # a tensor counts as its array
+    # Tensors numpy cannot view: by their sampled rows' bytes (they used to fail next()).
+    for odd in (x.to(torch.bfloat16), x.clone().requires_grad_(), x.to(torch.complex64).conj()):
+        assert fingerprint_step("", odd) == fingerprint_step("", odd)
+        assert fingerprint_step("", odd) != fingerprint_step("", odd.flip(0))
+    assert fingerprint_step("", x.clone().requires_grad_()) == fingerprint_step("", x)
+    # A strided view counts by its values, as its contiguous copy does.
+    assert fingerprint_step("", x.transpose(0, 1)) == fingerprint_step(
+        "", x.transpose(0, 1).contiguous()
+    )
+    assert fingerprint_step("", x.numpy()[:, 1]) == fingerprint_step("", x[:, 1].contiguous())
+
+
 @pytest.mark.parametrize(("start", "stop"), [(0, None), (1, 3)])  # most rows / a few of them
 def test_a_reduce_gives_mixed_pieces_the_dtype_and_shape_concatenation_gives(
     start: int, stop: int | None

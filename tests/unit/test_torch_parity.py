@@ -93,6 +93,17 @@ def test_num_workers_0_loads_on_the_callers_thread_without_pickling() -> None:
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.complex64])
+def test_batches_of_any_tensor_dtype_load_as_torchs(dtype: torch.dtype) -> None:
+    # The order's fingerprint (stats()) reads every batch: numpy has no bfloat16, and
+    # next() used to fail on it ("Got unsupported ScalarType BFloat16").
+    data = torch.utils.data.TensorDataset(torch.arange(10.0).reshape(5, 2).to(dtype))
+    ours = [b[0] for b in RayDataLoader(data, batch_size=2)]
+    theirs = [b[0] for b in DataLoader(data, batch_size=2)]
+    assert len(ours) == len(theirs) == 3
+    assert all(o.dtype == dtype and torch.equal(o, t) for o, t in zip(ours, theirs, strict=True))
+
+
 def test_num_workers_0_keeps_torch_rng_stream() -> None:
     # torch draws a base seed for its workers even without any: same batches, same RNG after.
     def epoch(cls: Any) -> tuple[list[list[int]], float]:
