@@ -81,9 +81,7 @@ def _sample(leaf: Any) -> bytes:
             # let go of the GIL here (each torch call does, and may then wait for a busy thread).
             array = leaf.numpy()
         except (TypeError, RuntimeError):  # no numpy dtype (bfloat16), grad, a conjugate view
-            rows = leaf.detach()[_positions(n)[1]].reshape(len(_positions(n)[1]), -1)
-            rows = rows[:, :_ROW_PREFIX].resolve_conj().resolve_neg().contiguous()
-            return f"{tuple(leaf.shape)}".encode() + rows.view(torch.uint8).numpy().tobytes()
+            return f"{tuple(leaf.shape)}".encode() + _tensor_rows(leaf)
         return f"{tuple(leaf.shape)}".encode() + _rows(array)
     if isinstance(leaf, np.ndarray) and leaf.ndim and len(leaf):
         if leaf.dtype == object:
@@ -91,6 +89,21 @@ def _sample(leaf: Any) -> bytes:
             return f"{leaf.shape}".encode() + repr(leaf[positions].tolist()).encode()
         return f"{leaf.shape}".encode() + _rows(leaf)
     return repr(leaf).encode()
+
+
+def _tensor_rows(tensor: torch.Tensor) -> bytes:
+    """The bytes of a tensor's sampled rows (first :data:`_ROW_PREFIX` values), through torch.
+
+    For tensors numpy cannot view; one whose bytes torch cannot give either (a quantized
+    tensor) counts by its dtype alone.
+    """
+    positions = _positions(tensor.shape[0])[1]
+    try:
+        rows = tensor.detach()[positions].reshape(len(positions), -1)[:, :_ROW_PREFIX]
+        rows = rows.resolve_conj().resolve_neg().contiguous()
+        return rows.view(torch.uint8).numpy().tobytes()
+    except (TypeError, RuntimeError):
+        return f"{tensor.dtype}".encode()
 
 
 def _rows(array: np.ndarray) -> bytes:
