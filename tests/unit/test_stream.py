@@ -156,6 +156,74 @@ def test_exhaustion_runs_on_exhausted_once_after_the_summary() -> None:
 # -- the device copy stage (its copy step injected) ------------------------------------
 
 
+def test_handoff_notes_items_on_the_producers_thread() -> None:
+    h = Handoff(maxsize=4)
+    h.note_items(lambda item: (item * 10, threading.current_thread().name))
+    error = ItemError(ValueError("bad sample"))
+    h.start(lambda: [h.put(1), h.put(error), h.put(2)], name="raydl-test-producer")
+    assert h.take(5) == 1 and h.last_note == (10, "raydl-test-producer")
+    assert h.take(5) is error and h.last_note is None  # a failed item is raised, not read
+    assert h.take(5) == 2 and h.last_note == (20, "raydl-test-producer")
+    with pytest.raises(StopIteration):
+        h.take(5)
+
+
+def test_an_item_whose_note_fails_arrives_without_one() -> None:
+    h = Handoff(maxsize=1)
+    h.note_items(lambda item: 1 / item)
+    h.start(lambda: [h.put(0), h.put(4)], name="raydl-test-producer")
+    assert h.take(5) == 0 and h.last_note is None  # the consumer reads it itself
+    assert h.take(5) == 4 and h.last_note == 0.25
+
+
+class ReadBy:
+    """A batch leaf that records which thread the epoch's statistics read it on."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.threads: set[str] = set()
+
+    def __repr__(self) -> str:  # what the fingerprint reads of a leaf it has no rule for
+        self.threads.add(threading.current_thread().name)
+        return f"ReadBy({self.value})"
+
+
+class GatedProducer(Producer):
+    """Hands over ``items`` from a thread once :attr:`go` is set."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.go = threading.Event()
+        self.handoff = Handoff(maxsize=2)
+
+        def body() -> None:
+            self.go.wait(5)
+            for item in items:
+                self.handoff.put(item)
+
+        self.handoff.start(body, name="raydl-test-producer")
+
+
+@pytest.mark.parametrize("device_stage", [False, True])
+def test_the_epochs_fingerprint_reads_batches_on_the_producers_thread(device_stage: bool) -> None:
+    from raydl._internal.stream.metrics import fingerprint_step
+
+    batches = [{"x": ReadBy(i)} for i in range(5)]
+    source = GatedProducer(batches)
+    producer: Producer = source
+    if device_stage:  # the copy stage's items are copies in flight: the trainer reads batches
+        producer = DeviceCopy(source, FakeCopier(), depth=2, name="raydl-test-copy")
+    iterator = EpochIterator(producer, epoch=0)
+    source.go.set()
+    assert list(iterator) == batches
+    trainer = threading.current_thread().name
+    reader = trainer if device_stage else "raydl-test-producer"
+    assert all(b["x"].threads == {reader} for b in batches)
+    expected = ""  # the fingerprint, as the trainer's thread would have computed it
+    for batch in batches:
+        expected = fingerprint_step(expected, batch)
+    assert iterator.stats.fingerprint == expected and iterator.stats.samples == 5
+
+
 class FakeCopier:
     """Records which thread did what; the 'device' batch is the host batch tagged."""
 

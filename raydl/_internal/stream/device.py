@@ -261,6 +261,8 @@ class DeviceCopy(Producer):
     (:class:`~raydl._internal.stream.handoff.InlineHandoff`, ``copier.start`` not called).
     """
 
+    delivers_items = False  # its items are copies in flight; the batches come from ``deliver``
+
     def __init__(
         self, source: Producer, copier: Copier, *, depth: int, name: str, inline: bool = False
     ) -> None:

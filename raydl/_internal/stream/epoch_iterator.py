@@ -25,7 +25,7 @@ from typing import Any
 
 from raydl._internal.runtime.cluster import is_connected
 from raydl._internal.stream.handoff import Handoff, ItemError
-from raydl._internal.stream.metrics import EpochStats, logger
+from raydl._internal.stream.metrics import EpochStats, logger, note_batch
 from raydl.errors import LoaderTimeoutError
 
 
@@ -41,6 +41,9 @@ class Producer:
     #: ``deliver`` may load a batch itself (the trainer's stand-ins for workers still
     #: starting): the epoch's items must then be taken on the trainer's thread.
     loads_in_deliver = False
+    #: The items of :attr:`handoff` are the batches the trainer gets (``deliver`` passes
+    #: them on), so the producer's thread may read them for the epoch's statistics.
+    delivers_items = True
 
     def taken(self, waited: float) -> None:
         """Called on the trainer's thread after each batch it took, ``waited`` s after asking.
@@ -96,6 +99,8 @@ class EpochIterator(Iterator[Any]):
     ) -> None:
         self._producer = producer
         self._handoff = producer.handoff
+        if producer.delivers_items:
+            self._handoff.note_items(note_batch)  # read on the producer's thread, not here
         self._length = length
         self._timeout = timeout
         self._on_exhausted = on_exhausted
@@ -124,7 +129,8 @@ class EpochIterator(Iterator[Any]):
             raise StopIteration
         started = time.perf_counter()
         try:
-            batch = self._producer.deliver(self._handoff.take(self._timeout))
+            item = self._handoff.take(self._timeout)
+            batch = self._producer.deliver(item)
             self._producer.taken(time.perf_counter() - started)
         except StopIteration:
             self._end()
@@ -142,7 +148,8 @@ class EpochIterator(Iterator[Any]):
             self.num_yielded += 1
             batch.reraise()
         self.num_yielded += 1
-        self.stats.record(batch, time.perf_counter() - started)
+        note = self._handoff.last_note if batch is item else None
+        self.stats.record(batch, time.perf_counter() - started, note)
         if self.progress is not None:
             self.progress.update(1)
         return batch

@@ -52,6 +52,16 @@ class _Failure:
 _END = object()
 
 
+class _Noted:
+    """An item with what the producer's thread noted of it (see :meth:`Handoff.note_items`)."""
+
+    __slots__ = ("item", "note")
+
+    def __init__(self, item: Any, note: Any) -> None:
+        self.item = item
+        self.note = note
+
+
 class ItemError:
     """One item that failed (a batch whose ``__getitem__`` raised); the stream goes on.
 
@@ -104,6 +114,10 @@ class Handoff:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ended = False  # the consumer took the end or a failure
+        self._note: Callable[[Any], Any] | None = None
+        #: What the producer's thread noted of the item :meth:`take` returned last (``None``:
+        #: nothing, e.g. an item queued before :meth:`note_items`).
+        self.last_note: Any = None
 
     # -- the producer's side ------------------------------------------------------------
 
@@ -135,6 +149,13 @@ class Handoff:
 
     def put(self, item: Any) -> None:
         """Queue ``item``, waiting while the queue is full; :class:`Stopped` once stopped."""
+        note = self._note
+        if note is not None and not isinstance(item, ItemError):
+            with contextlib.suppress(Exception):  # the consumer reads the item itself
+                item = _Noted(item, note(item))
+        self._enqueue(item)
+
+    def _enqueue(self, item: Any) -> None:
         while True:
             if self._stop.is_set():
                 raise Stopped
@@ -146,7 +167,15 @@ class Handoff:
 
     def _put_final(self, item: Any) -> None:
         with contextlib.suppress(Stopped):  # nobody is waiting for it any more
-            self.put(item)
+            self._enqueue(item)
+
+    def note_items(self, note: Callable[[Any], Any]) -> None:
+        """From now on, :meth:`put` also calls ``note(item)``, on the producer's thread.
+
+        The consumer finds the result in :attr:`last_note` after :meth:`take` (work the
+        consumer would otherwise do on its own thread: the trainer's ``next()``).
+        """
+        self._note = note
 
     @property
     def stopped(self) -> bool:
@@ -190,6 +219,10 @@ class Handoff:
                 raise timeout_error(timeout)
 
     def _unpack(self, item: Any) -> Any:
+        if isinstance(item, _Noted):
+            self.last_note = item.note
+            return item.item
+        self.last_note = None
         if item is _END:
             self._ended = True
             raise StopIteration
