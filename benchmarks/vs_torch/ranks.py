@@ -189,7 +189,8 @@ def main_rank(name: str, workload: str, cfg: WorkerConfig, record: str) -> int:
     ids: list[np.ndarray] = []
     ttfb_cold = -1.0
     try:
-        for epoch in range(1 + cfg.epochs + PACED_EPOCHS):
+        paced_epochs = PACED_EPOCHS if cfg.epochs else 0  # paced by the timed epochs' pace
+        for epoch in range(1 + cfg.epochs + paced_epochs):
             step_s = 0.0
             if epoch > cfg.epochs:  # paced: the time to first batch a training loop sees
                 step_s = PACE * statistics.median(e.seconds / e.batches for e in epochs[1:])
