@@ -3,7 +3,9 @@
 A fresh process calls ``raydl.init()`` (the embedded instance, as a training
 script's first loader starts it) and lists the Python programs its Ray runs. The
 autoscaler's ``monitor.py`` and the dashboard's head (``dashboard.py``) are not
-among them, and come back with ``RAYDL_LEAN_RAY=0``; a loader works on the lean
+among them, nor the raylet's two agents (``runtime/agent_standin.py`` stands in: the
+runtime-env agent starts at the first ``runtime_env``), and they come back with
+``RAYDL_LEAN_RAY=0``; a loader works on the lean
 instance (docs/design.md, "The cold path", Lean). A loader of a torch ``Dataset``
 never imports Ray Data into the training process (about 57 MB). Under torchrun's
 variables, the loader's actors leave no Ray worker idle (Ray prestarts none while it
@@ -34,10 +36,20 @@ aiohttp = "aiohttp" in sys.modules and importlib.util.find_spec("aiohttp_cors") 
 loader = raydl.RayDataLoader(torch.utils.data.TensorDataset(torch.arange(40)), batch_size=8,
                              num_workers=1, background_start=False)
 rows = sorted(int(x) for (batch,) in loader for x in batch)
-programs = sorted({arg.rsplit('/', 1)[-1] for p in psutil.Process().children(recursive=True)
-                   for arg in p.cmdline()[:3] if arg.endswith('.py')})
-print(json.dumps({"rows": rows, "programs": programs, "ray_data": "ray.data" in sys.modules,
-                  "aiohttp": aiohttp}))
+def listing():
+    procs = psutil.Process().children(recursive=True)
+    return (sorted({arg.rsplit('/', 1)[-1] for p in procs for arg in p.cmdline()[:4]
+                    if arg.endswith('.py')}), sorted(p.name() for p in procs))
+programs, titles = listing()
+# A runtime_env needs the raylet's runtime-env agent: a lean instance starts it now.
+import os, ray
+@ray.remote(num_cpus=0)
+def variable():
+    return os.environ.get("RAYDL_PROBE")
+with_env = ray.get(variable.options(runtime_env={"env_vars": {"RAYDL_PROBE": "set"}}).remote())
+print(json.dumps({"rows": rows, "programs": programs, "titles": titles,
+                  "ray_data": "ray.data" in sys.modules, "aiohttp": aiohttp,
+                  "with_env": with_env, "titles_after": listing()[1]}))
 """
 
 
@@ -176,7 +188,7 @@ def _programs(*envs: dict[str, str], script: str = SCRIPT) -> list[dict[str, lis
 
 
 @pytest.mark.timeout(360)
-def test_the_embedded_instance_runs_no_monitor_and_no_dashboard_head() -> None:
+def test_the_embedded_instance_runs_no_monitor_no_dashboard_head_and_standin_agents() -> None:
     lean, full = _programs({}, {"RAYDL_LEAN_RAY": "0"})
     assert lean["rows"] == list(range(40))
     assert "log_monitor.py" in lean["programs"]  # the listing sees Ray's Python programs
@@ -186,6 +198,14 @@ def test_the_embedded_instance_runs_no_monitor_and_no_dashboard_head() -> None:
     assert lean["aiohttp"] is False and full["aiohttp"] is False
     assert full["rows"] == list(range(40))
     assert {"monitor.py", "dashboard.py"} <= set(full["programs"])
+    # The raylet's two agents: stand-ins until a runtime_env needs the real one.
+    agents = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
+    assert "agent_standin.py" in lean["programs"]
+    assert not agents & set(lean["titles"]), lean["titles"]
+    assert agents <= set(full["titles"]) and "agent_standin.py" not in full["programs"]
+    assert lean["with_env"] == full["with_env"] == "set"
+    assert "ray::RuntimeEnvAgent" in lean["titles_after"]
+    assert "ray::DashboardAgent" not in lean["titles_after"]
 
 
 @pytest.mark.timeout(360)

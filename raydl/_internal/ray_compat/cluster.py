@@ -10,6 +10,10 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
 * ``ray._private.services.start_raylet`` and its ``env_updates`` argument, the
   environment the raylet, and so every worker process it starts, runs with
   (:func:`raylet_env`);
+* ``ray._private.services.start_ray_process``, which ``start_raylet`` calls with the
+  raylet's command line, whose ``--dashboard_agent_command=`` and
+  ``--runtime_env_agent_command=`` the raylet runs as its agents, and the port
+  files the agents write (``ray._raylet``'s ``*_PORT_NAME``; :func:`standin_agents`);
 * ``ray._private.worker.global_worker.mode`` and ``WORKER_MODE``: whether this
   process is one of Ray's workers (:func:`in_worker`);
 * the system configs ``preload_python_modules``, which the raylet passes to every
@@ -46,6 +50,8 @@ import importlib.util
 import inspect
 import os
 import random
+import shlex
+import subprocess
 import sys
 import threading
 import types
@@ -66,6 +72,7 @@ __all__ = [
     "private_random",
     "raylet_env",
     "reload_config",
+    "standin_agents",
     "system_config",
 ]
 
@@ -180,6 +187,87 @@ def raylet_env(updates: dict[str, str]) -> Iterator[None]:
             yield
         finally:
             services.start_raylet = start
+
+
+#: The raylet's arguments that hold its agents' command lines, and each stand-in's role.
+AGENT_COMMANDS = {
+    "--dashboard_agent_command=": "dashboard",
+    "--runtime_env_agent_command=": "runtime_env",
+}
+
+
+def standin_command(flag: str, agent: str, script: str) -> str:
+    """The raylet argument ``flag`` + ``agent`` (an agent's command line), run by ``script``.
+
+    The stand-in gets the agent's whole command line after its role. A runtime-env
+    agent on a fixed port (``--runtime-env-agent-port=`` other than 0) keeps its own
+    command: its port is the user's to choose, and the stand-in would take it.
+
+    Example:
+        >>> standin_command("--dashboard_agent_command=", "/py -u agent.py --node-id=ab", "/s.py")[:58]
+        '--dashboard_agent_command=/py -I -S /s.py dashboard /py -u'
+    """
+    command = shlex.split(agent)
+    role = AGENT_COMMANDS[flag]
+    if role == "runtime_env" and "--runtime-env-agent-port=0" not in command:
+        return flag + agent
+    return flag + subprocess.list2cmdline([command[0], "-I", "-S", script, role, *command])
+
+
+@contextlib.contextmanager
+def standin_agents(script: str) -> Iterator[None]:
+    """While in it, a raylet started in this process runs ``script`` in place of its two agents.
+
+    The raylet exits when either agent does, and waits for their port files before it
+    registers; ``script`` (``runtime/agent_standin.py``) writes those files and lives
+    as long as the raylet, so a loader's instance runs without the two Python
+    processes (about 110 MB and 1.2 s of CPU at its start). Its runtime-env stand-in
+    starts the real agent at the first ``runtime_env`` the raylet has to build. The
+    raylet's command line is rewritten as ``ray._private.services.start_raylet``
+    hands it to ``start_ray_process``.
+    """
+    from ray._private import ray_constants, services
+
+    start = services.start_ray_process
+
+    def start_with_standins(
+        command: list[str], process_type: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        if process_type == ray_constants.PROCESS_TYPE_RAYLET:
+            command = [
+                next(
+                    (
+                        standin_command(flag, arg[len(flag) :], script)
+                        for flag in AGENT_COMMANDS
+                        if arg.startswith(flag)
+                    ),
+                    arg,
+                )
+                for arg in command
+            ]
+        return start(command, process_type, *args, **kwargs)
+
+    with _patching:
+        services.start_ray_process = start_with_standins
+        try:
+            yield
+        finally:
+            services.start_ray_process = start
+
+
+#: The port files the agents write (``ray._raylet.<KIND>_PORT_NAME``), as the stand-in writes them.
+_AGENT_PORT_KINDS = (
+    "METRICS_AGENT",
+    "METRICS_EXPORT",
+    "DASHBOARD_AGENT_LISTEN",
+    "RUNTIME_ENV_AGENT",
+)
+_AGENT_PORT_FILES = (
+    "metrics_agent_port",
+    "metrics_export_port",
+    "dashboard_agent_listen_port",
+    "runtime_env_agent_port",
+)
 
 
 #: Milliseconds between the raylet's deletions of freed objects in an instance raydl starts.
@@ -437,6 +525,15 @@ def check() -> None:
 
     if "env_updates" not in inspect.signature(services.start_raylet).parameters:
         raise AttributeError("ray._private.services.start_raylet takes no env_updates")
+    raylet_source = inspect.getsource(services.start_raylet)
+    for flag in (*AGENT_COMMANDS, "start_ray_process(", "--runtime-env-agent-port="):
+        if flag not in raylet_source:
+            raise AttributeError(f"ray._private.services.start_raylet no longer passes {flag}")
+    from ray import _raylet
+
+    ports = {getattr(_raylet, f"{kind}_PORT_NAME", None) for kind in _AGENT_PORT_KINDS}
+    if ports != set(_AGENT_PORT_FILES):
+        raise AttributeError(f"ray._raylet's agent port names are {sorted(map(str, ports))}")
     if not hasattr(worker, "WORKER_MODE") or not hasattr(worker.global_worker, "mode"):
         raise AttributeError("ray._private.worker has no WORKER_MODE or global_worker.mode")
     if importlib.util.find_spec(PROGRESS_LOGGER) is None:
