@@ -1,6 +1,7 @@
 """A training process for the driver-kill test: raydl's embedded Ray, both kinds of source.
 
-``serve``: iterates a map-style loader (Ray actors) and a Ray Data loader (Ray
+``serve``: runs a task with a ``runtime_env`` (so that the raylet's runtime-env agent
+starts), then iterates a map-style loader (Ray actors) and a Ray Data loader (Ray
 Data tasks) side by side, prints ``READY <pid>`` after a few steps and goes on
 until it is killed. ``finish``: one small epoch of each, then ``DONE`` and a
 normal exit.
@@ -24,6 +25,11 @@ def main(mode: str) -> None:
 
         reaper.start = lambda *args: None
     raydl.init(num_cpus=2)
+    if mode == "serve":
+        # A runtime_env: the raylet's real runtime-env agent starts (behind its stand-in).
+        variable = ray.remote(num_cpus=0)(lambda: os.environ.get("RAYDL_PROBE"))
+        options = {"runtime_env": {"env_vars": {"RAYDL_PROBE": "set"}}}
+        assert ray.get(variable.options(**options).remote()) == "set"
     rows = 2000 if mode == "serve" else 100
     ds = ray.data.range(rows, override_num_blocks=10).map_batches(lambda b: b, batch_size=50)
     tabular = raydl.RayDataLoader(ds, batch_size=10)

@@ -60,14 +60,14 @@ def _session(ray_tmpdir: str, trainer: int | None = None) -> dict[int, float]:
     return procs
 
 
-def _alive(procs: dict[int, float]) -> list[str]:
-    """``procs`` still running, as "pid name"."""
+def _alive(procs: dict[int, float], command: bool = False) -> list[str]:
+    """``procs`` still running, as "pid name" (``command``: "pid command line")."""
     out = []
     for pid, started in procs.items():
         try:
             proc = psutil.Process(pid)
             if proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{pid} {proc.name()}")
+                out.append(f"{pid} {' '.join(proc.cmdline()) if command else proc.name()}")
         except psutil.NoSuchProcess:
             continue
     return out
@@ -94,9 +94,11 @@ def test_sigkilled_trainer_leaves_no_ray_process_and_a_new_run_starts(ray_tmpdir
         ), _alive(_session(ray_tmpdir, trainer.pid))
         session = _session(ray_tmpdir, trainer.pid)
         names = _alive(session)
-        # gcs_server, raylet, Ray's agents and workers, the loader's actors
+        # gcs_server, raylet, the stand-ins for its agents and the real runtime-env agent
+        # (the trainer ran a task with a runtime_env), workers, the loader's actors
         assert any("raylet" in n for n in names), names
-        assert any("Agent" in n for n in names), names
+        assert any("RuntimeEnvAgent" in n for n in names), names
+        assert any("agent_standin.py" in n for n in _alive(session, command=True)), names
         assert any("DatasetWorker" in n for n in names), names
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(timeout=10)
