@@ -4,7 +4,8 @@ A fresh process calls ``raydl.init()`` (the embedded instance, as a training
 script's first loader starts it) and lists the Python programs its Ray runs. The
 autoscaler's ``monitor.py`` and the dashboard's head (``dashboard.py``) are not
 among them, nor the raylet's two agents (``runtime/agent_standin.py`` stands in: the
-runtime-env agent starts at the first ``runtime_env``), and they come back with
+runtime-env agent starts at the first ``runtime_env``), nor ``log_monitor.py`` (a
+thread of the trainer runs it; a worker's output still reaches it), and they come back with
 ``RAYDL_LEAN_RAY=0``; a loader works on the lean
 instance (docs/design.md, "The cold path", Lean). A loader of a torch ``Dataset``
 never imports Ray Data into the training process (about 57 MB). Under torchrun's
@@ -47,6 +48,27 @@ import os, ray
 def variable():
     return os.environ.get("RAYDL_PROBE")
 with_env = ray.get(variable.options(runtime_env={"env_vars": {"RAYDL_PROBE": "set"}}).remote())
+# A worker's output reaches the driver (lean: through the log monitor on a thread here),
+# which prints it on sys.stdout: watch what is written there.
+import time
+class Tee:
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+    def write(self, text):
+        self.seen.append(text)
+        return self.inner.write(text)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+sys.stdout = tee = Tee(sys.stdout)
+@ray.remote(num_cpus=0)
+def speak():
+    print("worker-output-" + "reaches-the-driver", flush=True)
+ray.get(speak.remote())
+deadline = time.monotonic() + 60
+while not any("worker-output-reaches-the-driver" in t for t in tee.seen):
+    assert time.monotonic() < deadline, "no worker output in 60 s"
+    time.sleep(0.05)
+sys.stdout = tee.inner
 print(json.dumps({"rows": rows, "programs": programs, "titles": titles,
                   "ray_data": "ray.data" in sys.modules, "aiohttp": aiohttp,
                   "with_env": with_env, "titles_after": listing()[1]}))
@@ -183,15 +205,17 @@ def _programs(*envs: dict[str, str], script: str = SCRIPT) -> list[dict[str, lis
         for proc in procs:
             out, err = proc.communicate(timeout=150)
             assert proc.returncode == 0, err[-3000:]
-            seen.append(json.loads(out.strip().splitlines()[-1]))
+            last = [line for line in out.splitlines() if line.startswith("{")][-1]
+            seen.append({**json.loads(last), "output": out + err})
         return seen
 
 
 @pytest.mark.timeout(360)
-def test_the_embedded_instance_runs_no_monitor_no_dashboard_head_and_standin_agents() -> None:
+def test_the_embedded_instance_runs_only_the_processes_a_loader_needs() -> None:
+    """No autoscaler monitor, dashboard head or log monitor process, stand-in agents."""
     lean, full = _programs({}, {"RAYDL_LEAN_RAY": "0"})
     assert lean["rows"] == list(range(40))
-    assert "log_monitor.py" in lean["programs"]  # the listing sees Ray's Python programs
+    assert "agent_standin.py" in lean["programs"]  # the listing sees Ray's Python programs
     assert "monitor.py" not in lean["programs"]
     assert "dashboard.py" not in lean["programs"]
     assert lean["ray_data"] is False
@@ -200,12 +224,16 @@ def test_the_embedded_instance_runs_no_monitor_no_dashboard_head_and_standin_age
     assert {"monitor.py", "dashboard.py"} <= set(full["programs"])
     # The raylet's two agents: stand-ins until a runtime_env needs the real one.
     agents = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
-    assert "agent_standin.py" in lean["programs"]
     assert not agents & set(lean["titles"]), lean["titles"]
     assert agents <= set(full["titles"]) and "agent_standin.py" not in full["programs"]
     assert lean["with_env"] == full["with_env"] == "set"
     assert "ray::RuntimeEnvAgent" in lean["titles_after"]
     assert "ray::DashboardAgent" not in lean["titles_after"]
+    # The log monitor: a thread of the trainer, not a process; the workers' output arrives
+    # (the script waits for it), with Ray's prefix.
+    assert "log_monitor.py" not in lean["programs"] and "log_monitor.py" in full["programs"]
+    for seen in (lean, full):
+        assert "(speak pid=" in seen["output"], seen["output"][-3000:]
 
 
 @pytest.mark.timeout(360)

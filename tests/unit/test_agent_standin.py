@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -32,12 +31,17 @@ pytestmark = [
 
 NODE_ID = "ab" * 28
 
-#: A runtime-env agent: records that it started, writes its port file, answers each request.
+#: A runtime-env agent: records that it started, writes its port file, answers each request
+#: (keeping the connection open, as HTTP/1.1 does). Like Ray's, it writes its port file
+#: after it binds and before it listens.
 FAKE_AGENT = """
-import http.server, os, sys
+import http.server, os, sys, time
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
 open(os.path.join(args["session-dir"], "agent-started"), "w").write(str(os.getpid()))
 class Answer(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         reply = b"agent " + os.environ["RAY_RAYLET_PID"].encode() + b" got " + body
@@ -45,9 +49,13 @@ class Answer(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
-server = http.server.HTTPServer((args["node-ip-address"], int(args["runtime-env-agent-port"])), Answer)
+address = (args["node-ip-address"], int(args["runtime-env-agent-port"]))
+server = http.server.HTTPServer(address, Answer, bind_and_activate=False)
+server.server_bind()
 path = os.path.join(args["session-dir"], "runtime_env_agent_port_" + args["node-id"])
 open(path, "w").write(str(server.server_address[1]))
+time.sleep(0.5)  # bound, not yet listening: a connection now is refused
+server.server_activate()
 server.serve_forever()
 """
 
@@ -91,18 +99,24 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-def _post(port: int, body: bytes) -> bytes:
+def _post(port: int, *bodies: bytes) -> list[bytes]:
+    """Each body POSTed in turn on one kept-alive connection, as the raylet's client does."""
+    replies = []
     with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-        conn.sendall(
-            b"POST /get_or_create_runtime_env HTTP/1.1\r\nHost: x\r\nContent-Length: "
-            + str(len(body)).encode()
-            + b"\r\nConnection: close\r\n\r\n"
-            + body
-        )
-        reply = b""
-        while data := conn.recv(1 << 16):
-            reply += data
-    return reply.split(b"\r\n\r\n", 1)[1]
+        stream = conn.makefile("rb")
+        for body in bodies:
+            conn.sendall(
+                b"POST /get_or_create_runtime_env HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            length = 0
+            while (line := stream.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            replies.append(stream.read(length))
+    return replies
 
 
 def test_the_dashboard_standin_declares_its_ports_unused_and_exits_with_its_raylet(
@@ -144,15 +158,17 @@ def test_the_runtime_env_standin_starts_the_agent_at_the_first_call_and_relays_t
         port = _port(tmp_path, agent_standin.RUNTIME_ENV_PORT)
         time.sleep(0.5)
         assert not (tmp_path / "agent-started").exists()  # nothing asked yet: no agent
-        # The first call starts the agent; it sees the stand-in as its raylet (its parent).
-        assert _post(port, b"first") == f"agent {standin.pid} got first".encode()
+        # The first call starts the agent (it waits while the agent binds but does not yet
+        # listen); the agent sees the stand-in as its raylet (its parent).
+        first = _post(port, b"first", b"again")
+        assert first == [f"agent {standin.pid} got {w}".encode() for w in ("first", "again")]
         agent = int((tmp_path / "agent-started").read_text())
-        assert _post(port, b"second") == f"agent {standin.pid} got second".encode()
+        assert _post(port, b"second") == [f"agent {standin.pid} got second".encode()]
         assert int((tmp_path / "agent-started").read_text()) == agent  # one agent
         assert _port(tmp_path, agent_standin.RUNTIME_ENV_PORT) != port  # the agent's own port
     finally:
-        standin.send_signal(signal.SIGTERM)  # as the raylet stops its agents
-        assert standin.wait(10) == 0
+        standin.kill()  # as the raylet stops its agents: SIGKILL, which it cannot pass on
+        standin.wait(10)
     assert _gone(agent), "the agent outlived its stand-in"
 
 

@@ -20,9 +20,10 @@ raydl nor Ray) in their place, with the agent's own command line after the role:
   environment variables for its workers) starts the real agent, with the same
   command line, and from then on every connection is relayed to it unchanged.
 
-Either exits when the raylet is gone (its parent changes), taking a started agent
-with it, and exits with the agent's status if the agent dies or never comes up, so
-the raylet fate-shares with it as it would with the agent itself. Started by
+Either exits when the raylet is gone (its parent changes; the raylet stops its agents
+with SIGKILL), and a started agent ends with it (the kernel's parent-death signal). One
+whose agent dies or never comes up exits with the agent's status, so the raylet
+fate-shares with the agent as it would without the stand-in. Started by
 ``ray_compat.cluster.standin_agents``; docs/design.md, "Lean".
 """
 
@@ -43,6 +44,10 @@ POLL_S = 0.5
 
 #: Seconds the real runtime-env agent gets to write its port file.
 AGENT_START_TIMEOUT_S = 60.0
+
+#: Seconds a relayed connection keeps trying to reach the agent (Ray's agent writes its
+#: port file after it binds and before it listens, so the first tries may be refused).
+AGENT_CONNECT_TIMEOUT_S = 30.0
 
 #: The dashboard agent's ports; ``-1``: not in use (Ray's minimal agent writes the same).
 DASHBOARD_PORTS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port")
@@ -112,7 +117,29 @@ def stand_in_for_dashboard(session: Session) -> int:
     return 0
 
 
-def _relay(a: socket.socket, b: socket.socket) -> None:
+def _connect(address: tuple[str, int]) -> socket.socket | None:
+    """A connection to the agent at ``address``, retried while refused; ``None`` if it never came."""
+    deadline = time.monotonic() + AGENT_CONNECT_TIMEOUT_S
+    while True:
+        try:
+            return socket.create_connection(address, timeout=AGENT_CONNECT_TIMEOUT_S)
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+
+
+def _relay(client: socket.socket, address: tuple[str, int]) -> None:
+    """Relay ``client``'s connection to the agent at ``address`` (closed unanswered if unreachable)."""
+    upstream = _connect(address)
+    if upstream is None:
+        client.close()
+        return
+    upstream.settimeout(None)
+    _pump_both(client, upstream)
+
+
+def _pump_both(a: socket.socket, b: socket.socket) -> None:
     """Copy bytes both ways between ``a`` and ``b`` until both sides are done, then close both."""
 
     def pump(src: socket.socket, dst: socket.socket) -> None:
@@ -157,16 +184,20 @@ class RuntimeEnvStandIn:
         """Start the real agent on a port of its own choosing and wait for its port file.
 
         It checks its parent against ``RAY_RAYLET_PID``: here that parent is this process.
+        The raylet stops its agents with SIGKILL, which this process cannot pass on, so
+        the kernel does (``PR_SET_PDEATHSIG``): the agent ends when this process does.
         """
         command = [
             f"{RUNTIME_ENV_PORT_ARG}0" if arg.startswith(RUNTIME_ENV_PORT_ARG) else arg
             for arg in self.command
         ]
         self.agent = subprocess.Popen(
-            command, env={**os.environ, "RAY_RAYLET_PID": str(os.getpid())}
+            command,
+            env={**os.environ, "RAY_RAYLET_PID": str(os.getpid())},
+            preexec_fn=_die_with_parent,  # started on the main thread, before any relay
         )
         deadline = time.monotonic() + AGENT_START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.session.raylet_alive():
             port = self.session.read_port(RUNTIME_ENV_PORT)
             if port is not None and port != self.port:
                 self.agent_address = (self.listener.getsockname()[0], port)
@@ -174,6 +205,8 @@ class RuntimeEnvStandIn:
             if self.agent.poll() is not None:
                 raise SystemExit(self.agent.returncode or 1)
             time.sleep(0.02)
+        if not self.session.raylet_alive():
+            raise SystemExit(0)
         raise SystemExit(
             f"raydl agent stand-in: the runtime-env agent wrote no port in {AGENT_START_TIMEOUT_S:.0f} s"
         )
@@ -194,12 +227,7 @@ class RuntimeEnvStandIn:
             if self.agent is None:
                 self.start_agent()
             assert self.agent_address is not None
-            try:
-                upstream = socket.create_connection(self.agent_address)
-            except OSError:
-                client.close()
-                continue
-            threading.Thread(target=_relay, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=_relay, args=(client, self.agent_address), daemon=True).start()
         return 0
 
     def stop_agent(self) -> None:
@@ -211,6 +239,14 @@ class RuntimeEnvStandIn:
             self.agent.wait(5)
         except subprocess.TimeoutExpired:
             self.agent.kill()
+
+
+def _die_with_parent() -> None:
+    """In a child about to run its program: have the kernel SIGKILL it when its parent dies."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:
