@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from raydl._internal.ray_compat import cluster as ray_core
+from raydl._internal.ray_compat import head
 from raydl._internal.runtime import agent_standin
 
 pytestmark = [
@@ -192,19 +192,19 @@ def test_an_agent_that_fails_to_start_takes_the_standin_along(tmp_path: Path) ->
 def test_the_raylets_command_line_runs_the_standins() -> None:
     script = agent_standin.__file__
     dashboard = "/py -u /ray/dashboard/agent.py --node-id=ab --session-dir=/s"
-    rewritten = ray_core.standin_command("--dashboard_agent_command=", dashboard, script)
+    rewritten = head.standin_command("--dashboard_agent_command=", dashboard, script)
     assert rewritten == f"--dashboard_agent_command=/py -I -S {script} dashboard {dashboard}"
     dynamic = "/py -u main.py --node-id=ab --runtime-env-agent-port=0"
-    assert ray_core.standin_command("--runtime_env_agent_command=", dynamic, script).endswith(
+    assert head.standin_command("--runtime_env_agent_command=", dynamic, script).endswith(
         f"{script} runtime_env {dynamic}"
     )
     # A port the user fixed stays the real agent's.
     fixed = "/py -u main.py --node-id=ab --runtime-env-agent-port=7777"
-    assert ray_core.standin_command("--runtime_env_agent_command=", fixed, script) == (
+    assert head.standin_command("--runtime_env_agent_command=", fixed, script) == (
         f"--runtime_env_agent_command={fixed}"
     )
     # The port files the stand-ins write are the ones the check compares with Ray's names.
     assert (
         *agent_standin.DASHBOARD_PORTS,
         agent_standin.RUNTIME_ENV_PORT,
-    ) == ray_core._AGENT_PORT_FILES
+    ) == head._AGENT_PORT_FILES

@@ -12,6 +12,7 @@ relies on:
 * :mod:`.batches`: ``map_batches``' batching and output checks, and installing a
   ``DataContext`` in a worker (direct execution);
 * :mod:`.cluster`: Ray core's config reload and Ray Data's logger names;
+* :mod:`.head`: the embedded head node's processes (which start, what stands in);
 * :mod:`.context`: the process's ``DataContext``, made without importing Ray's
   state API (its issue detectors' configuration is built on first use);
 * :mod:`.iteration`, :mod:`.errors`, :mod:`.datasets`: ``iter_batches``

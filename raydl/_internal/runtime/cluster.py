@@ -378,14 +378,15 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
     import ray
 
     from raydl._internal.ray_compat import cluster as ray_core
+    from raydl._internal.ray_compat import head
 
     with contextlib.ExitStack() as patches:
         patches.enter_context(ray_core.raylet_env(_blanked_torchrun_vars()))
         patches.enter_context(ray_core.dependency_check_by_spec())
         lean = env.lean_ray()
         if lean:
-            patches.enter_context(ray_core.lean_head())
-            patches.enter_context(ray_core.standin_agents(agent_standin.__file__))
+            patches.enter_context(head.lean_head())
+            patches.enter_context(head.standin_agents(agent_standin.__file__))
         context = ray.init(**kwargs, **ray_core.system_config(preload))
     if lean:
         _start_log_monitor()
@@ -393,17 +394,17 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
 
 
 def _start_log_monitor() -> None:
-    """Run the embedded instance's log monitor on a thread here (``ray_compat.cluster.node_log_monitor``).
+    """Run the embedded instance's log monitor on a thread here (``ray_compat.head.node_log_monitor``).
 
     Stopped before Ray is (:func:`shutdown`, and at exit before Ray's own handler).
     Should it fail to start, the instance runs on and its workers' output is not printed.
     """
     global _stop_log_monitor
-    from raydl._internal.ray_compat import cluster as ray_core
+    from raydl._internal.ray_compat import head
 
     _stop_monitor()
     try:
-        _stop_log_monitor = ray_core.node_log_monitor()
+        _stop_log_monitor = head.node_log_monitor()
     except Exception as err:
         logging.getLogger("raydl").warning(
             "Ray's log monitor did not start (%r): the output of the loader's Ray workers "
