@@ -53,11 +53,12 @@ def lean_head() -> Iterator[None]:
     fixed size, and the dashboard's head process (about 60 MB; it starts even with
     ``include_dashboard=False``, to serve usage statistics and the job API) serves
     nothing a loader uses. ``ray.init`` offers no switch for either
-    (``RayParams.no_monitor`` is not one of its arguments), so the head's two
+    (``RayParams.no_monitor`` is not one of its arguments), so the head's three
     starting methods are replaced for the duration; the node then runs as it does
     when its dashboard failed to start (no dashboard URL).
 
-    Relies on ``ray._private.node.Node.start_monitor`` and ``Node.start_api_server``.
+    Relies on ``ray._private.node.Node.start_monitor``, ``Node.start_api_server`` and
+    ``Node.start_log_monitor``.
     """
     from ray._private.node import Node
 

@@ -258,7 +258,8 @@ def main(argv: list[str]) -> int:
     if role != "runtime_env":
         raise SystemExit(f"raydl agent stand-in: unknown role {role!r}")
     standin = RuntimeEnvStandIn(session, command)
-    # The raylet stops its agents with SIGTERM: take a started agent along.
+    # A SIGTERM (``ray.shutdown``'s clean-up, a user's kill) takes a started agent along; the
+    # raylet's own SIGKILL cannot be caught, and the agent's parent-death signal covers it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return standin.serve()
