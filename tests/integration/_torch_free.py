@@ -12,11 +12,14 @@ import numpy as np
 
 
 def parse_and_report(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Files holding their id as text -> ``id``, and whether this process has torch, Ray Data."""
+    """Files holding their id as text -> ``id``, and whether this process imported torch, Ray Data."""
+    from raydl._internal.runtime.fork_server import shared_by_parent
+
     ids = np.array([int(b) for b in batch["bytes"]], dtype=np.int64)
+    shared = shared_by_parent()  # a forked actor's imports from the fork server cost it nothing
     return {
         "id": ids,
-        "torch_loaded": np.full(len(ids), "torch" in sys.modules),
+        "torch_loaded": np.full(len(ids), "torch" in sys.modules and "torch" not in shared),
         "ray_data_loaded": np.full(len(ids), "ray.data" in sys.modules),
     }
 

@@ -107,7 +107,7 @@ def test_sigkilled_trainer_leaves_no_ray_process_and_a_new_run_starts(ray_tmpdir
     killed = time.monotonic()
 
     def leftovers() -> list[str]:
-        return _alive(session | _session(ray_tmpdir))
+        return _alive(session | _session(ray_tmpdir), command=True)
 
     gone = wait_until(lambda: not leftovers(), timeout=BOUND_S)
     assert gone, f"still running {time.monotonic() - killed:.0f} s after the SIGKILL: {leftovers()}"

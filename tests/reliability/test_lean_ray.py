@@ -141,8 +141,10 @@ else:
     raydl.init()
 
 @ray.remote
-def imported():
-    return sorted(m for m in ("ray.data", "torch") if m in sys.modules)
+def imported():  # by the worker itself: a forked one inherits the fork server's imports
+    from raydl._internal.runtime.fork_server import shared_by_parent
+    shared = shared_by_parent()
+    return sorted(m for m in ("ray.data", "torch") if m in sys.modules and m not in shared)
 
 print(json.dumps({"imported": ray.get([imported.remote() for _ in range(4)])}))
 """
@@ -155,8 +157,10 @@ class Probe(torch.utils.data.Dataset):
     def __len__(self):
         return 16
 
-    def __getitem__(self, i):
-        return i, ",".join(m for m in ("pyarrow", "pydantic") if m in sys.modules)
+    def __getitem__(self, i):  # imported by the actor itself, not inherited from a fork server
+        from raydl._internal.runtime.fork_server import shared_by_parent
+        shared = shared_by_parent()
+        return i, ",".join(m for m in ("pyarrow", "pydantic") if m in sys.modules and m not in shared)
 
 def arrow_registered(batch):  # on a direct-path actor: Ray's arrow serializers are in place
     import ray.cloudpickle

@@ -9,7 +9,8 @@ Used when raydl starts Ray. Relies on these private parts of Ray (checked by :fu
   is imported (``RAY_*`` environment variables set afterwards apply only then);
 * ``ray._private.services.start_raylet`` and its ``env_updates`` argument, the
   environment the raylet, and so every worker process it starts, runs with
-  (:func:`raylet_env`);
+  (:func:`raylet_env`), and its ``setup_worker_path`` argument, the script the raylet
+  runs to start each worker process (:func:`worker_setup`);
 * ``ray._private.worker.global_worker.mode`` and ``WORKER_MODE``: whether this
   process is one of Ray's workers (:func:`in_worker`);
 * the system configs ``preload_python_modules``, which the raylet passes to every
@@ -66,6 +67,7 @@ __all__ = [
     "raylet_env",
     "reload_config",
     "system_config",
+    "worker_setup",
 ]
 
 _patching = threading.RLock()  # one patch of Ray at a time (they nest)
@@ -146,6 +148,37 @@ def raylet_env(updates: dict[str, str]) -> Iterator[None]:
         services.start_raylet = start_with_env
         try:
             yield
+        finally:
+            services.start_raylet = start
+
+
+@contextlib.contextmanager
+def worker_setup(script: str) -> Iterator[str]:
+    """While in it, a raylet started in this process starts its workers with ``script``.
+
+    The raylet runs ``python SCRIPT [-S] [-s] default_worker.py ARGS`` for each worker
+    process, where Ray's own script is ``ray/_private/workers/setup_worker.py`` (it
+    applies the worker's runtime-env context and execs the worker); ``script`` takes
+    the same arguments (``runtime/worker_launch.py``). Yields Ray's own script's path,
+    for ``script`` to fall back to. ``ray.init`` has no argument for it, so
+    ``ray._private.services.start_raylet`` is wrapped for the duration.
+    """
+    from ray._private import services
+
+    spec = importlib.util.find_spec("ray._private.workers.setup_worker")
+    assert spec is not None and spec.origin is not None, "checked by check()"
+    start = services.start_raylet
+    signature = inspect.signature(start)
+
+    def start_with_script(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["setup_worker_path"] = script
+        return start(*bound.args, **bound.kwargs)
+
+    with _patching:
+        services.start_raylet = start_with_script
+        try:
+            yield spec.origin
         finally:
             services.start_raylet = start
 
@@ -400,6 +433,10 @@ def check() -> None:
 
     if "env_updates" not in inspect.signature(services.start_raylet).parameters:
         raise AttributeError("ray._private.services.start_raylet takes no env_updates")
+    if "setup_worker_path" not in inspect.signature(services.start_raylet).parameters:
+        raise AttributeError("ray._private.services.start_raylet takes no setup_worker_path")
+    if importlib.util.find_spec("ray._private.workers.setup_worker") is None:
+        raise ModuleNotFoundError("Ray has no module ray._private.workers.setup_worker")
     if not hasattr(worker, "WORKER_MODE") or not hasattr(worker.global_worker, "mode"):
         raise AttributeError("ray._private.worker has no WORKER_MODE or global_worker.mode")
     if importlib.util.find_spec(PROGRESS_LOGGER) is None:

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from raydl._internal.runtime import agent_standin, env, interrupt, reaper
+from raydl._internal.runtime import agent_standin, env, forking, interrupt, reaper, worker_launch
 from raydl._internal.runtime.world import Channel, Rendezvous, World
 from raydl.errors import RayDLError
 
@@ -58,6 +58,7 @@ _lock = threading.Lock()
 _registering = threading.Lock()  # wait_for_starts_at_exit's, never held across a start
 _looking_up = threading.Lock()  # held while this rank waits for rank 0's address
 _exit_wait_registered = False
+_fork_server: forking.ForkServer | None = None  # the embedded instance's (runtime/forking.py)
 _exiting = threading.Event()
 _started_by_raydl = False
 _owner_stop: threading.Event | None = None  # parks the thread that started the instance
@@ -374,24 +375,45 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
     the dashboard head, with stand-ins for the raylet's two agents, and Ray's log
     monitor on a thread of this process (an idle instance: 99 MB of memory against
     372 MB, and two small stand-ins instead of five Python processes importing Ray;
-    docs/design.md, "Lean"). Its workers import ``preload`` as they start.
+    docs/design.md, "Lean"). Its workers import ``preload`` as they start, and are
+    forked from raydl's fork server unless ``RAYDL_FORK_WORKERS=0``
+    (``runtime/forking.py``).
     """
     import ray
 
     from raydl._internal.ray_compat import cluster as ray_core
     from raydl._internal.ray_compat import head
 
+    global _fork_server
     with contextlib.ExitStack() as patches:
-        patches.enter_context(ray_core.raylet_env(_blanked_torchrun_vars()))
+        updates = _blanked_torchrun_vars()
+        if env.fork_workers():
+            _stop_fork_server()
+            server = _fork_server = forking.start(updates)
+            ray_setup = patches.enter_context(ray_core.worker_setup(worker_launch.__file__))
+            updates = {**updates, **server.raylet_env(ray_setup)}
+        patches.enter_context(ray_core.raylet_env(updates))
         patches.enter_context(ray_core.dependency_check_by_spec())
         lean = env.lean_ray()
         if lean:
             patches.enter_context(head.lean_head())
             patches.enter_context(head.standin_agents(agent_standin.__file__))
-        context = ray.init(**kwargs, **ray_core.system_config(preload))
+        try:
+            context = ray.init(**kwargs, **ray_core.system_config(preload))
+        except BaseException:
+            _stop_fork_server()
+            raise
     if lean:
         _start_log_monitor()
     return context
+
+
+def _stop_fork_server() -> None:
+    """Stop the embedded instance's fork server, if one runs."""
+    global _fork_server
+    server, _fork_server = _fork_server, None
+    if server is not None:
+        server.stop()
 
 
 def _start_log_monitor() -> None:
@@ -547,6 +569,7 @@ def shutdown() -> None:
 
             ray.shutdown()
             _started_by_raydl = False
+        _stop_fork_server()
         global _owner_stop
         stop, _owner_stop = _owner_stop, None
         if stop is not None:

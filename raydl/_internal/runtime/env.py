@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 #: Address of an existing Ray cluster to join (Ray's own variable).
 RAY_ADDRESS = "RAY_ADDRESS"
@@ -44,6 +45,16 @@ LEAN_RAY = "RAYDL_LEAN_RAY"
 def lean_ray() -> bool:
     """Whether the embedded Ray instance skips the processes a loader does not use (``RAYDL_LEAN_RAY``)."""
     return _on_unless_off(LEAN_RAY)
+
+
+#: ``0`` starts the embedded Ray's workers as Ray does, each a fresh interpreter
+#: (by default they are forked from one that imported torch: ``runtime/fork_server.py``).
+FORK_WORKERS = "RAYDL_FORK_WORKERS"
+
+
+def fork_workers() -> bool:
+    """Whether the embedded Ray instance forks its workers from raydl's fork server (``RAYDL_FORK_WORKERS``)."""
+    return _on_unless_off(FORK_WORKERS) and sys.platform == "linux"
 
 
 #: ``0`` leaves glibc's ``malloc`` thresholds as they are in raydl's actors (``workers/allocator.py``).

@@ -1,0 +1,269 @@
+"""Fork the embedded Ray instance's worker processes from one that imported torch once.
+
+Ray starts every worker as a fresh interpreter (the raylet runs ``setup_worker.py``,
+which execs ``default_worker.py``), so each of a loader's actors imports torch by
+itself: about 140 MB of private memory per actor here (its operator registrations
+and Python objects), where torch's own ``DataLoader`` forks its workers from the
+trainer and they share those pages. This process imports the heavy packages the
+trainer has (``sys.argv[2:]``: torch, numpy, pyarrow, ...) once, then forks a
+worker for each request of the raylet's launcher (:mod:`.worker_launch`, run in
+place of ``setup_worker.py``); the child becomes an ordinary Ray worker by running
+``default_worker.py`` with the launcher's arguments, environment, working folder
+and standard streams. Its pages stay shared with this process until written.
+
+Standard library only, run by path (``python fork_server.py FD MODULE...``,
+started by ``runtime/forking.py`` before the raylet) in its own session, so a
+terminal's Ctrl-C does not reach it or the workers it forks.
+
+* It serves the listening Unix socket ``FD`` (in a private folder), bound by the
+  trainer before this process started: a launcher that connects while it still
+  imports waits in the backlog.
+* Ray itself is not imported here: Ray core reads some of its settings (the
+  worker's job) once per process, from the environment the raylet gives each
+  worker, so each child imports Ray after it took the launcher's environment.
+* One thread, no locks held at ``fork()``: requests, the children's exits
+  (``SIGCHLD`` through a wake-up pipe) and the trainer's end (end of file on
+  stdin) are served by one ``selectors`` loop.
+* A child's exit status goes back to its launcher, which exits with it; a launcher
+  that goes away first (the raylet gave up on a worker that did not register)
+  takes its child with it (``SIGKILL``).
+* A request whose interpreter settings differ from this process's (``PYTHONPATH``,
+  ``-S``/``-s``, the executable) is refused and the launcher execs Ray's own path.
+
+Ends when its stdin closes (the trainer stopped Ray or is gone), and the workers
+it forked end with it (the kernel's parent-death signal), as they would with the
+raylet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from typing import Any
+
+#: Environment variables that change how an interpreter starts: a request whose values
+#: differ from this process's cannot be served by a fork.
+INTERPRETER_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH")
+
+#: Seconds a launcher has to send its request once connected.
+REQUEST_TIMEOUT_S = 10.0
+
+#: Launchers that may wait for the server at once.
+BACKLOG = 128
+
+#: The largest request (arguments and environment), in bytes.
+MAX_REQUEST = 1 << 20
+
+
+def flags() -> list[str]:
+    """This interpreter's site flags as Ray passes them to a worker (``-S``, ``-s``)."""
+    return (["-S"] if sys.flags.no_site else []) + (["-s"] if sys.flags.no_user_site else [])
+
+
+def refusal(request: dict[str, Any]) -> str | None:
+    """Why ``request`` cannot run in a child of this process, or None if it can."""
+    if request.get("executable") != sys.executable:
+        return f"the worker runs {request.get('executable')}, this server {sys.executable}"
+    if sorted(request.get("flags", [])) != sorted(flags()):
+        return f"the worker runs with {request.get('flags')}, this server with {flags()}"
+    env = request.get("env", {})
+    for name in INTERPRETER_VARS:
+        if env.get(name) != os.environ.get(name):
+            return f"{name} differs"
+    return None
+
+
+def shared_by_parent() -> tuple[str, ...]:
+    """The modules this process inherited, imported, from its parent if that is a fork
+    server; ``()`` otherwise (or off Linux).
+
+    A forked worker has them in ``sys.modules`` without having paid for them: their
+    pages are the server's until written.
+    """
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as cmdline:
+            args = [arg.decode() for arg in cmdline.read().split(b"\0") if arg]
+    except OSError:
+        return ()
+    here = os.path.abspath(__file__)
+    for i, arg in enumerate(args):
+        if os.path.abspath(arg) == here:
+            return tuple(args[i + 2 :])  # after the socket's descriptor
+    return ()
+
+
+def become_worker(request: dict[str, Any], fds: list[int]) -> None:
+    """In a forked child: take the launcher's streams, environment and arguments, and a
+    process group of its own, as the raylet gives each worker it starts (it kills a
+    worker's group when the worker exits: this server's would take the server and every
+    other worker with it)."""
+    os.setpgid(0, 0)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    argv = request["argv"]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python default_worker.py`
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # a fresh process seeds numpy's global generator from the OS
+        numpy.random.seed()
+
+
+def die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` (the server) ends.
+
+    The server ends with the trainer or with Ray; a worker it forked then goes too,
+    as Ray's workers go with their raylet, even one that has not reached the raylet
+    yet (it would wait on a Ray that is gone).
+    """
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the call
+        os._exit(1)
+
+
+class Server:
+    """The fork server's loop (:func:`serve`); one instance per process."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        """Serve ``listener``."""
+        self.listener = listener
+        self.selector = selectors.DefaultSelector()
+        self.children: dict[int, socket.socket] = {}
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select() through wake_w
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.selector.register(listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "exits")
+        self.selector.register(sys.stdin, selectors.EVENT_READ, "trainer")
+
+    def serve(self) -> tuple[dict[str, Any], list[int]] | None:
+        """Serve until the trainer's end (returns None), or, in a forked child, its request."""
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    child = self.accept()
+                    if child is not None:
+                        return child
+                elif key.data == "exits":
+                    self.reap()
+                elif key.data == "trainer":
+                    if not os.read(sys.stdin.fileno(), 4096):
+                        return None
+                else:
+                    self.launcher_gone(key.fileobj, key.data)  # type: ignore[arg-type]
+
+    def accept(self) -> tuple[dict[str, Any], list[int]] | None:
+        """Take one request; fork its worker. The child's request in the child, else None."""
+        conn, _ = self.listener.accept()
+        conn.settimeout(REQUEST_TIMEOUT_S)  # a launcher killed mid-request must not hang the loop
+        try:
+            message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+            request = json.loads(message)
+        except (OSError, ValueError):
+            conn.close()
+            return None
+        why = refusal(request) if len(fds) == 3 else "the launcher sent no streams"
+        if why is None:
+            server = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                die_with(server)
+                self.close_in_child(conn)
+                return request, fds
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"refused": why} if why else {"pid": pid}).encode() + b"\n")
+        if why is not None:
+            conn.close()
+            return None
+        self.children[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+        return None
+
+    def close_in_child(self, conn: socket.socket) -> None:
+        """What the forked child must not keep: the server's sockets, pipes and handlers."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.selector.close()
+        for other in (*self.children.values(), conn, self.listener):
+            other.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    def reap(self) -> None:
+        """Collect exited children; tell each one's launcher its exit code."""
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is not None:
+                self.selector.unregister(conn)
+                code = os.waitstatus_to_exitcode(status)
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+                conn.close()
+
+    def launcher_gone(self, conn: socket.socket, pid: int) -> None:
+        """A launcher closed its connection before its child exited: the child goes too."""
+        try:
+            if conn.recv(1):
+                return  # launchers send nothing more; ignore it
+        except OSError:
+            pass
+        self.selector.unregister(conn)
+        conn.close()
+        if self.children.pop(pid, None) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def main(fd: int, modules: list[str]) -> None:
+    """Import ``modules``, serve the listening socket ``fd``; in a forked child, run the worker."""
+    listener = socket.socket(fileno=fd)
+    path = listener.getsockname()
+    for name in modules:
+        with contextlib.suppress(Exception):  # a package that fails to import is not shared
+            __import__(name)
+    gc.collect()
+    gc.freeze()  # the collector leaves the shared objects (and their pages) alone
+    child = Server(listener).serve()
+    if child is None:
+        listener.close()
+        os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))  # the private folder made for it
+        return
+    become_worker(*child)
+    import runpy
+
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2:])

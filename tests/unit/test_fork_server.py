@@ -1,0 +1,217 @@
+"""The fork server and its launcher (``runtime/fork_server.py``, ``worker_launch.py``), without Ray.
+
+This test process plays the raylet: it runs the launcher with a worker's command
+line, where the "worker" is a small script that reports what it was given (its
+arguments, environment, folder, streams, parent) and exits with a chosen status.
+Linux only, as the fork server is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from raydl._internal.runtime import fork_server, forking, worker_launch
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks Linux processes"),
+    pytest.mark.timeout(60),
+]
+
+#: A stand-in for ``default_worker.py``: writes what it saw to ``REPORT``, then exits.
+WORKER = """
+import json, os, sys, time
+from raydl._internal.runtime.fork_server import shared_by_parent
+report = {
+    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(),
+    "marker": os.environ.get("MARKER"), "json_loaded": "json" in sys.modules,
+    "shared": list(shared_by_parent()), "stdin": sys.stdin.readline().strip(),
+}
+with open(os.environ["REPORT"], "w") as f:
+    json.dump(report, f)
+print("worker says hello", flush=True)
+if "--sleep" in sys.argv:
+    time.sleep(60)
+sys.exit(int(os.environ.get("EXIT", "0")))
+"""
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[forking.ForkServer]:
+    """A fork server sharing ``json`` (this test's stand-in for torch)."""
+    started = forking.start({}, modules=["json"])
+    yield started
+    started.stop()
+
+
+def _launch(
+    server: forking.ForkServer | None,
+    tmp_path: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    context: str = "{}",
+) -> subprocess.Popen[str]:
+    script = tmp_path / "default_worker.py"
+    script.write_text(WORKER)
+    environ = {
+        **os.environ,
+        "REPORT": str(tmp_path / "report.json"),
+        "MARKER": "from-the-raylet",
+        worker_launch.RAY_SETUP_VAR: str(tmp_path / "ray_setup_worker.py"),
+        **(env or {}),
+    }
+    if server is not None:
+        environ[worker_launch.SERVER_VAR] = server.socket
+    (tmp_path / "ray_setup_worker.py").write_text(  # Ray's path: execs the worker itself
+        "import os, sys\n"
+        "args = [a for a in sys.argv[1:] if not a.startswith('--language')"
+        " and not a.startswith('--serialized')]\n"
+        "os.execv(sys.executable, [sys.executable, *args])\n"
+    )
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            worker_launch.__file__,
+            str(script),
+            "--node-ip-address=127.0.0.1",
+            *extra,
+            f"--serialized-runtime-env-context={context}",
+            "--language=PYTHON",
+        ],
+        env=environ,
+        cwd=cwd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _report(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+def test_a_launched_worker_is_forked_with_the_launchers_arguments_environment_and_streams(
+    server: forking.ForkServer, tmp_path: Path
+) -> None:
+    launcher = _launch(server, tmp_path, env={"EXIT": "3"})
+    out, _ = launcher.communicate("line for the worker\n", timeout=30)
+    assert launcher.returncode == 3  # the worker's status, passed on
+    assert out == "worker says hello\n"  # the launcher's stdout, written by the worker
+    seen = _report(tmp_path)
+    assert seen["argv"] == [str(tmp_path / "default_worker.py"), "--node-ip-address=127.0.0.1"]
+    assert seen["marker"] == "from-the-raylet"
+    assert seen["cwd"] == str(tmp_path / "cwd")
+    assert seen["path0"] == str(tmp_path)  # as `python default_worker.py` would have it
+    assert seen["stdin"] == "line for the worker"
+    assert seen["pid"] != launcher.pid
+    assert "json" in seen["shared"] and seen["json_loaded"]
+
+
+def test_a_worker_with_a_runtime_env_or_without_a_server_starts_as_ray_starts_it(
+    server: forking.ForkServer, tmp_path: Path
+) -> None:
+    context = json.dumps({"env_vars": {"A": "1"}})
+    for launched in (_launch(server, tmp_path, context=context), _launch(None, tmp_path)):
+        out, _ = launched.communicate("", timeout=30)
+        assert launched.returncode == 0 and out == "worker says hello\n"
+        seen = _report(tmp_path)
+        assert seen["pid"] == launched.pid  # Ray's path: the launcher became the worker
+        assert seen["shared"] == []
+
+
+def test_a_request_the_server_cannot_serve_falls_back_to_rays_path(
+    server: forking.ForkServer, tmp_path: Path
+) -> None:
+    other = {"PYTHONPATH": os.environ.get("PYTHONPATH", "") + os.pathsep + str(tmp_path)}
+    launched = _launch(server, tmp_path, env=other)
+    launched.communicate("", timeout=30)
+    assert launched.returncode == 0
+    assert _report(tmp_path)["pid"] == launched.pid
+
+
+def test_a_killed_launcher_takes_its_worker_and_a_killed_worker_its_launcher(
+    server: forking.ForkServer, tmp_path: Path
+) -> None:
+    launcher = _launch(server, tmp_path, "--sleep")
+    assert launcher.stdin is not None and launcher.stdout is not None
+    launcher.stdin.close()  # the worker reads its stdin to its end
+    assert launcher.stdout.readline() == "worker says hello\n"
+    worker = _report(tmp_path)["pid"]
+    launcher.kill()  # the raylet giving up on a worker that did not register
+    launcher.wait(timeout=10)
+    _gone_within(worker, 10)
+
+    launcher = _launch(server, tmp_path, "--sleep")
+    assert launcher.stdin is not None and launcher.stdout is not None
+    launcher.stdin.close()  # the worker reads its stdin to its end
+    assert launcher.stdout.readline() == "worker says hello\n"
+    os.kill(_report(tmp_path)["pid"], signal.SIGKILL)  # the raylet killing the worker it knows
+    assert launcher.wait(timeout=10) == 128 + signal.SIGKILL
+
+
+def test_workers_end_with_their_server(tmp_path: Path) -> None:
+    """The trainer gone (its end of the server's stdin closed): the server ends, and so
+    does every worker it forked (as Ray's workers end with their raylet)."""
+    started = forking.start({}, modules=[])
+    try:
+        launcher = _launch(started, tmp_path, "--sleep")
+        assert launcher.stdin is not None and launcher.stdout is not None
+        launcher.stdin.close()
+        assert launcher.stdout.readline() == "worker says hello\n"
+        worker = _report(tmp_path)["pid"]
+        assert worker != launcher.pid
+    finally:
+        started.stop()
+    _gone_within(worker, 10)
+    assert launcher.wait(timeout=10) != 0
+
+
+def test_the_server_ends_with_its_stdin_and_removes_its_folder(tmp_path: Path) -> None:
+    started = forking.start({}, modules=[])
+    _wait_for(lambda: os.path.exists(started.socket), 20)
+    assert started.process.stdin is not None
+    started.process.stdin.close()
+    assert started.process.wait(timeout=20) == 0
+    assert not os.path.exists(started.folder)
+
+
+def test_parse_splits_the_raylets_arguments_in_either_form() -> None:
+    assert worker_launch.parse(
+        ["-s", "w.py", "--a=1", "--language", "PYTHON", "--serialized-runtime-env-context", "{}"]
+    ) == ({}, "PYTHON", ["-s"], ["w.py", "--a=1"])
+    assert worker_launch.forkable({}, "PYTHON")
+    assert not worker_launch.forkable({"env_vars": {"A": "1"}}, "PYTHON")
+    assert not worker_launch.forkable({"py_executable": "/other/python"}, "PYTHON")
+    assert not worker_launch.forkable({}, "JAVA")
+
+
+def test_a_process_not_forked_by_a_server_shares_nothing() -> None:
+    assert fork_server.shared_by_parent() == ()
+
+
+def _gone_within(pid: int, seconds: float) -> None:
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().split(") ")[1].startswith("Z")  # a zombie is gone too
+        except (FileNotFoundError, ProcessLookupError):  # gone before or while read
+            return True
+
+    _wait_for(gone, seconds)
+
+
+def _wait_for(done: object, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
