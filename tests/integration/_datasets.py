@@ -218,6 +218,21 @@ class PageFaults(Dataset[int]):
         return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
 
+class ForkReport(Dataset[dict[str, Any]]):
+    """Sample ``i``: this process's pid and whether it shares torch with a fork server."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        from raydl._internal.runtime.fork_server import shared_by_parent
+
+        return {
+            "pid": os.getpid(),
+            "torch_shared": "torch" in shared_by_parent(),
+        }
+
+
 def collate_and_report_shared(samples: list[Any]) -> dict[str, torch.Tensor]:
     """torch's ``default_collate``, and whether the batch it built lives in shared memory."""
     from torch.utils.data import default_collate

@@ -10,6 +10,7 @@ the worker's traceback, as torch's ``ExceptionWrapper`` would give them.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import raydl
 from raydl import RayDataLoader
 
 import _torch_free  # isort: skip
-from _datasets import PageFaults, TensorData, collate_and_report_shared  # isort: skip
+from _datasets import ForkReport, PageFaults, TensorData, collate_and_report_shared  # isort: skip
 
 FILES = 40
 
@@ -140,3 +141,48 @@ def test_only_a_plan_ray_data_runs_has_an_embedded_instances_workers_import_it(
             assert loader._source.worker_modules == preloaded, options
         finally:
             loader.close()
+
+
+@pytest.mark.timeout(120)
+def test_actors_are_forked_from_the_server_unless_they_need_their_own_environment() -> None:
+    """The embedded instance's actors share the fork server's torch (docs/design.md, "Forked
+    workers"); an actor with a ``runtime_env`` starts as Ray starts it, sharing nothing."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the fork server runs on Linux")
+    seen = {}
+    own_env = {"runtime_env": {"env_vars": {"RAYDL_PROBE": "1"}}}
+    for name, options in (("forked", None), ("own_env", own_env)):
+        loader = RayDataLoader(
+            ForkReport(),
+            batch_size=None,
+            num_workers=2,
+            worker_options=options,
+            start_in_process=False,  # every sample from an actor
+        )
+        seen[name] = list(loader)
+        loader.close()
+    assert {s["torch_shared"] for s in seen["forked"]} == {True}, seen["forked"]
+    assert {s["torch_shared"] for s in seen["own_env"]} == {False}, seen["own_env"]
+
+
+@pytest.mark.timeout(120)
+def test_forked_workers_draw_their_own_numpy_streams() -> None:
+    """numpy's global generator, unseeded, differs between workers, as between fresh
+    processes: each forked worker reseeds it from the OS. (raydl's own actors seed it as
+    torch seeds its workers; a plain Ray actor shows what any other work gets.)"""
+    import numpy as np
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Draw:
+        def draw(self) -> tuple[int, float]:
+            return os.getpid(), float(np.random.random())
+
+    actors = [Draw.remote() for _ in range(2)]  # type: ignore[attr-defined]
+    try:
+        (pid_a, a), (pid_b, b) = ray.get([actor.draw.remote() for actor in actors])
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    assert pid_a != pid_b
+    assert a != b, "two workers drew the same numpy stream"

@@ -37,6 +37,9 @@ report = {
 }
 with open(os.environ["REPORT"], "w") as f:
     json.dump(report, f)
+if os.environ.get("DRAW"):
+    import numpy
+    print(numpy.random.random(), flush=True)
 print("worker says hello", flush=True)
 if "--sleep" in sys.argv:
     time.sleep(60)
@@ -183,6 +186,23 @@ def test_the_server_ends_with_its_stdin_and_removes_its_folder(tmp_path: Path) -
     started.process.stdin.close()
     assert started.process.wait(timeout=20) == 0
     assert not os.path.exists(started.folder)
+
+
+def test_each_worker_draws_its_own_numpy_stream(tmp_path: Path) -> None:
+    """numpy's global generator, created in the server, is reseeded from the OS in each
+    child, as a fresh process seeds it."""
+    started = forking.start({}, modules=["numpy.random"])
+    draws = []
+    try:
+        for _ in range(2):
+            launched = _launch(started, tmp_path, env={"DRAW": "1"})
+            out, _ = launched.communicate("", timeout=30)
+            assert launched.returncode == 0
+            assert _report(tmp_path)["shared"] == ["numpy.random"]
+            draws.append(out.splitlines()[0])
+    finally:
+        started.stop()
+    assert draws[0] != draws[1], draws
 
 
 def test_parse_splits_the_raylets_arguments_in_either_form() -> None:

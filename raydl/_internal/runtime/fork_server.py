@@ -45,6 +45,7 @@ import selectors
 import signal
 import socket
 import sys
+import warnings
 from typing import Any
 
 #: Environment variables that change how an interpreter starts: a request whose values
@@ -113,9 +114,9 @@ def become_worker(request: dict[str, Any], fds: list[int]) -> None:
     argv = request["argv"]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python default_worker.py`
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:  # a fresh process seeds numpy's global generator from the OS
-        numpy.random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:  # a fresh process seeds numpy's global generator from the OS
+        numpy_random.seed()
 
 
 def die_with(parent: int) -> None:
@@ -252,6 +253,9 @@ def main(fd: int, modules: list[str]) -> None:
             __import__(name)
     gc.collect()
     gc.freeze()  # the collector leaves the shared objects (and their pages) alone
+    # Python 3.12+ warns at each fork() of a process with threads; this one's are numpy's
+    # OpenBLAS pool and pyarrow's jemalloc background thread, which both handle fork().
+    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
     child = Server(listener).serve()
     if child is None:
         listener.close()
