@@ -52,7 +52,7 @@ def server(tmp_path: Path) -> Iterator[forking.ForkServer]:
     """A fork server sharing ``json`` (this test's stand-in for torch)."""
     started = forking.start({}, modules=["json"])
     yield started
-    started.stop()
+    forking.stop()
 
 
 def _launch(
@@ -174,7 +174,7 @@ def test_workers_end_with_their_server(tmp_path: Path) -> None:
         worker = _report(tmp_path)["pid"]
         assert worker != launcher.pid
     finally:
-        started.stop()
+        forking.stop()
     _gone_within(worker, 10)
     assert launcher.wait(timeout=10) != 0
 
@@ -201,8 +201,30 @@ def test_each_worker_draws_its_own_numpy_stream(tmp_path: Path) -> None:
             assert _report(tmp_path)["shared"] == ["numpy.random"]
             draws.append(out.splitlines()[0])
     finally:
-        started.stop()
+        forking.stop()
     assert draws[0] != draws[1], draws
+
+
+def test_modules_shared_later_reach_the_workers_forked_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader built once the server runs has it import what its actors need."""
+    monkeypatch.setattr(forking, "_wanted", [])  # this process's loaders' wishes stay as they are
+    started = forking.start({}, modules=[])
+    try:
+        launched = _launch(started, tmp_path)
+        launched.communicate("", timeout=30)
+        assert _report(tmp_path)["shared"] == []
+        forking.share(["json", "no_such_module_here"])  # the second fails: not shared
+        deadline = time.monotonic() + 20
+        while True:
+            launched = _launch(started, tmp_path)
+            launched.communicate("", timeout=30)
+            if _report(tmp_path)["shared"] or time.monotonic() > deadline:
+                break
+        assert _report(tmp_path)["shared"] == ["json"]
+    finally:
+        forking.stop()
 
 
 def test_parse_splits_the_raylets_arguments_in_either_form() -> None:

@@ -120,6 +120,11 @@ class RaySource(RankEpochs):
             return ()
         return cluster.RAY_DATA_WORKERS
 
+    #: What its actors import, for the embedded instance's fork server to share: numpy and
+    #: pyarrow (reads and stages), pandas (pyarrow's conversions to numpy import it), never
+    #: torch (docs/design.md, "Forked workers").
+    shared_modules: tuple[str, ...] = ("numpy", "pyarrow", "pandas")
+
     def takes_start(self, startup: BackgroundStart | None) -> bool:
         """Keep the loader's start on one rank: an epoch waits for it only when it needs Ray.
 

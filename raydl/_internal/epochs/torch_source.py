@@ -132,6 +132,9 @@ class TorchSource:
     #: import torch and the dataset as they unpickle it, within a moment of Ray's start
     #: (a preloaded torch measured no sooner), and Ray Data would cost them memory.
     worker_modules: tuple[str, ...] = ()
+    #: What its actors import, for the embedded instance's fork server to share: torch
+    #: (the dataset's unpickling, collation) and numpy (docs/design.md, "Forked workers").
+    shared_modules: tuple[str, ...] = ("numpy", "torch")
 
     @property
     def in_process(self) -> bool:

@@ -58,7 +58,6 @@ _lock = threading.Lock()
 _registering = threading.Lock()  # wait_for_starts_at_exit's, never held across a start
 _looking_up = threading.Lock()  # held while this rank waits for rank 0's address
 _exit_wait_registered = False
-_fork_server: forking.ForkServer | None = None  # the embedded instance's (runtime/forking.py)
 _exiting = threading.Event()
 _started_by_raydl = False
 _owner_stop: threading.Event | None = None  # parks the thread that started the instance
@@ -384,12 +383,10 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
     from raydl._internal.ray_compat import cluster as ray_core
     from raydl._internal.ray_compat import head
 
-    global _fork_server
     with contextlib.ExitStack() as patches:
         updates = _blanked_torchrun_vars()
         if env.fork_workers():
-            _stop_fork_server()
-            server = _fork_server = forking.start(updates)
+            server = forking.start(updates)
             ray_setup = patches.enter_context(ray_core.worker_setup(worker_launch.__file__))
             updates = {**updates, **server.raylet_env(ray_setup)}
         patches.enter_context(ray_core.raylet_env(updates))
@@ -401,19 +398,11 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
         try:
             context = ray.init(**kwargs, **ray_core.system_config(preload))
         except BaseException:
-            _stop_fork_server()
+            forking.stop()
             raise
     if lean:
         _start_log_monitor()
     return context
-
-
-def _stop_fork_server() -> None:
-    """Stop the embedded instance's fork server, if one runs."""
-    global _fork_server
-    server, _fork_server = _fork_server, None
-    if server is not None:
-        server.stop()
 
 
 def _start_log_monitor() -> None:
@@ -569,7 +558,7 @@ def shutdown() -> None:
 
             ray.shutdown()
             _started_by_raydl = False
-        _stop_fork_server()
+        forking.stop()
         global _owner_stop
         stop, _owner_stop = _owner_stop, None
         if stop is not None:

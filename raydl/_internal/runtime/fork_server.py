@@ -5,7 +5,8 @@ which execs ``default_worker.py``), so each of a loader's actors imports torch b
 itself: about 140 MB of private memory per actor here (its operator registrations
 and Python objects), where torch's own ``DataLoader`` forks its workers from the
 trainer and they share those pages. This process imports the heavy packages the
-trainer has (``sys.argv[2:]``: torch, numpy, pyarrow, ...) once, then forks a
+trainer's loaders want shared (``sys.argv[2:]``, and later a name a line on its
+stdin: torch, numpy, pyarrow, ...) once, then forks a
 worker for each request of the raylet's launcher (:mod:`.worker_launch`, run in
 place of ``setup_worker.py``); the child becomes an ordinary Ray worker by running
 ``default_worker.py`` with the launcher's arguments, environment, working folder
@@ -46,11 +47,17 @@ import signal
 import socket
 import sys
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 #: Environment variables that change how an interpreter starts: a request whose values
 #: differ from this process's cannot be served by a fork.
 INTERPRETER_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONSAFEPATH")
+
+#: What this server imported for its workers to share, in order (:func:`share`).
+SHARED: list[str] = []
+#: The environment variable that tells a forked worker what it shares (:func:`shared_by_parent`).
+SHARED_VAR = "RAYDL_FORK_SHARED"
 
 #: Seconds a launcher has to send its request once connected.
 REQUEST_TIMEOUT_S = 10.0
@@ -93,10 +100,21 @@ def shared_by_parent() -> tuple[str, ...]:
     except OSError:
         return ()
     here = os.path.abspath(__file__)
-    for i, arg in enumerate(args):
-        if os.path.abspath(arg) == here:
-            return tuple(args[i + 2 :])  # after the socket's descriptor
-    return ()
+    if not any(os.path.abspath(arg) == here for arg in args):
+        return ()
+    return tuple(name for name in os.environ.get(SHARED_VAR, "").split(",") if name)
+
+
+def share(modules: Iterable[str]) -> None:
+    """Import ``modules`` here (a package that fails to import is not shared), then keep
+    the collector off every object so far: it would write to their pages."""
+    for name in modules:
+        with contextlib.suppress(Exception):
+            __import__(name)
+            if name not in SHARED:
+                SHARED.append(name)
+    gc.collect()
+    gc.freeze()
 
 
 def become_worker(request: dict[str, Any], fds: list[int]) -> None:
@@ -110,6 +128,7 @@ def become_worker(request: dict[str, Any], fds: list[int]) -> None:
         os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ[SHARED_VAR] = ",".join(SHARED)
     os.chdir(request["cwd"])
     argv = request["argv"]
     sys.argv = list(argv)
@@ -142,6 +161,7 @@ class Server:
         self.listener = listener
         self.selector = selectors.DefaultSelector()
         self.children: dict[int, socket.socket] = {}
+        self.partial = b""  # the trainer's last line, until it ends
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
@@ -163,10 +183,19 @@ class Server:
                 elif key.data == "exits":
                     self.reap()
                 elif key.data == "trainer":
-                    if not os.read(sys.stdin.fileno(), 4096):
+                    if not self.read_trainer():
                         return None
                 else:
                     self.launcher_gone(key.fileobj, key.data)  # type: ignore[arg-type]
+
+    def read_trainer(self) -> bool:
+        """Import the modules the trainer named (a name a line); False at its end of file."""
+        data = os.read(sys.stdin.fileno(), 4096)
+        if not data:
+            return False
+        *names, self.partial = (self.partial + data).split(b"\n")
+        share(name.decode() for name in names if name)
+        return True
 
     def accept(self) -> tuple[dict[str, Any], list[int]] | None:
         """Take one request; fork its worker. The child's request in the child, else None."""
@@ -248,11 +277,7 @@ def main(fd: int, modules: list[str]) -> None:
     """Import ``modules``, serve the listening socket ``fd``; in a forked child, run the worker."""
     listener = socket.socket(fileno=fd)
     path = listener.getsockname()
-    for name in modules:
-        with contextlib.suppress(Exception):  # a package that fails to import is not shared
-            __import__(name)
-    gc.collect()
-    gc.freeze()  # the collector leaves the shared objects (and their pages) alone
+    share(modules)
     # Python 3.12+ warns at each fork() of a process with threads; this one's are numpy's
     # OpenBLAS pool and pyarrow's jemalloc background thread, which both handle fork().
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")

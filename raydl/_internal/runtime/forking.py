@@ -3,10 +3,18 @@
 ``runtime/cluster.py`` starts it (:func:`start`) before the embedded raylet, and
 gives the raylet the variables that point its launcher (``worker_launch.py``, run
 in place of Ray's ``setup_worker.py``) at it. The server (``fork_server.py``)
-imports the heavy packages this process has imported (:data:`SHARED`), so each
-Ray worker forked from it shares their pages instead of importing them again;
+imports the packages the loaders' actors will import (:func:`share`), so each Ray
+worker forked from it shares their pages instead of importing them again;
 docs/design.md, "Forked workers". Only the instance raydl starts has one: a
 cluster raydl joins starts its workers as its raylets were told to.
+
+What to share is each loader's to say, when it is built (``startup.begin_for``):
+a torch dataset's actors import torch, a Ray Data plan's import pyarrow and pandas
+and no torch. A package the server imports costs its memory once, whether or not
+an actor uses it, so only what a loader's actors import is shared. Said before Ray
+starts, it is imported before the first worker is forked; said later, the running
+server imports it between two requests (a line on its stdin), and workers forked
+from then on share it.
 """
 
 from __future__ import annotations
@@ -17,20 +25,20 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 
 from raydl._internal.runtime import fork_server, worker_launch
 
-__all__ = ["SHARED", "ForkServer", "start"]
+__all__ = ["ForkServer", "share", "start", "stop"]
 
-#: The packages the server imports if this process has: every raydl actor imports
-#: numpy and torch (map-style work), pyarrow (reads), pandas (pyarrow's conversions
-#: to numpy import it), so they are worth sharing whenever the trainer has them.
-SHARED = ("numpy", "torch", "pyarrow", "pandas")
+_lock = threading.Lock()
+_wanted: list[str] = []  # what the loaders built so far want shared, in order
+_server: ForkServer | None = None  # the running one, if any
 
 
 class ForkServer:
-    """A running fork server; :meth:`stop` ends it (closing its stdin)."""
+    """A running fork server (:func:`start`, :func:`stop`)."""
 
     def __init__(self, process: subprocess.Popen[bytes], folder: str) -> None:
         """Wrap the server ``process`` listening in ``folder``."""
@@ -49,8 +57,18 @@ class ForkServer:
             worker_launch.RAY_SETUP_VAR: ray_setup_worker,
         }
 
-    def stop(self) -> None:
-        """End the server (the workers it forked are the raylet's and end with it)."""
+    def ask_to_import(self, modules: Sequence[str]) -> None:
+        """Have the server import ``modules`` (one name a line on its stdin)."""
+        if self.process.stdin is None or not modules:
+            return
+        try:
+            self.process.stdin.write("".join(f"{name}\n" for name in modules).encode())
+            self.process.stdin.flush()
+        except OSError:  # it is gone: the launchers fall back to Ray's way
+            pass
+
+    def end(self) -> None:
+        """End the server (the workers it forked end with it)."""
         if self.process.stdin is not None:
             self.process.stdin.close()
         try:
@@ -61,21 +79,34 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start(env_updates: dict[str, str], modules: Sequence[str] | None = None) -> ForkServer:
-    """Start a fork server with this process's environment plus ``env_updates``.
+def share(modules: Sequence[str]) -> None:
+    """Have the embedded instance's workers share ``modules`` (imported once, in the server).
 
-    It imports ``modules`` (by default those of :data:`SHARED` this process has).
-
-    It returns at once, its socket listening (bound here, handed to the server), so a
-    worker the raylet starts while the server still imports waits for it. The server runs in a session of its own, so a
-    terminal's Ctrl-C reaches neither it nor the workers it forks (the raylet stops
-    them), and ends when this process closes its stdin or exits.
+    Recorded for a server started later; a running one imports the new names now.
     """
+    with _lock:
+        new = [name for name in modules if name not in _wanted]
+        _wanted.extend(new)
+        if _server is not None:
+            _server.ask_to_import(new)
+
+
+def start(env_updates: dict[str, str], modules: Sequence[str] | None = None) -> ForkServer:
+    """Start the fork server (ending one that runs) with this environment plus ``env_updates``.
+
+    It imports ``modules``, by default what :func:`share` was told so far. It returns
+    at once, its socket listening (bound here, handed to the server), so a worker the
+    raylet starts while the server still imports waits for it. The server runs in a
+    session of its own, so a terminal's Ctrl-C reaches neither it nor the workers it
+    forks (the raylet stops them), and ends when this process closes its stdin
+    (:func:`stop`) or exits.
+    """
+    global _server
+    stop()
     folder = tempfile.mkdtemp(prefix="raydl-fork-")  # mode 0700: only this user connects
-    if modules is None:
-        modules = [name for name in SHARED if name in sys.modules]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    with listener:  # bound here: a launcher that connects before the server runs waits
+    with _lock, listener:  # bound here: a launcher that connects before the server runs waits
+        names = list(_wanted if modules is None else modules)
         listener.bind(socket_in(folder))
         listener.listen(fork_server.BACKLOG)
         process = subprocess.Popen(
@@ -84,7 +115,7 @@ def start(env_updates: dict[str, str], modules: Sequence[str] | None = None) -> 
                 *fork_server.flags(),
                 fork_server.__file__,
                 str(listener.fileno()),
-                *modules,
+                *names,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,  # its stderr is the trainer's: it is quiet unless it fails
@@ -92,7 +123,17 @@ def start(env_updates: dict[str, str], modules: Sequence[str] | None = None) -> 
             start_new_session=True,
             pass_fds=(listener.fileno(),),
         )
-    return ForkServer(process, folder)
+        _server = ForkServer(process, folder)
+        return _server
+
+
+def stop() -> None:
+    """End the running fork server, if any."""
+    global _server
+    with _lock:
+        server, _server = _server, None
+    if server is not None:
+        server.end()
 
 
 def socket_in(folder: str) -> str:

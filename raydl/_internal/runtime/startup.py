@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
-from raydl._internal.runtime import cluster
+from raydl._internal.runtime import cluster, forking
 from raydl._internal.runtime.world import World
 
 __all__ = ["BackgroundStart", "Warm", "begin_for", "connect"]
@@ -141,6 +141,12 @@ class Warmable(Protocol):
         """What its Ray workers import, for an embedded instance to preload (``ensure_ray``)."""
         ...
 
+    @property
+    def shared_modules(self) -> tuple[str, ...]:
+        """What its actors import, for the embedded instance's fork server to share
+        (``runtime/forking.py``)."""
+        ...
+
 
 def connect(
     startup: BackgroundStart | None, address: str | None, world: World, preload: tuple[str, ...]
@@ -159,7 +165,10 @@ def begin_for(
     None when turned off, when the source loads in process, and for ranks outside
     torchrun (they meet over the process group, at ``iter()`` on the trainer's thread).
     """
-    if not enabled or source.in_process:
+    if source.in_process:
+        return None
+    forking.share(source.shared_modules)  # before Ray starts, with this start or a later one
+    if not enabled:
         return None
     if not cluster.starts_without_collectives(address, world):
         return None
