@@ -133,6 +133,10 @@ def become_worker(request: dict[str, Any], fds: list[int]) -> None:
     argv = request["argv"]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python default_worker.py`
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # as a fresh process's torch would read it
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:  # a fresh process seeds numpy's global generator from the OS
         numpy_random.seed()

@@ -79,6 +79,15 @@ class ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+#: The OpenMP threads of the server, and so of its workers' torch, unless the trainer's
+#: environment sets them: OpenMP reads ``OMP_NUM_THREADS`` once, when torch is imported
+#: (here). A fresh Ray worker imports torch after Ray set it to the task's CPUs (1 for an
+#: actor that asks for none, as raydl's do), and torch's own loader workers run one thread;
+#: with the server's default (a thread per core) two forked actors decoding JPEGs ran at a
+#: quarter of their speed on 2 cores (docs/benchmarks.md, session 33).
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
 def share(modules: Sequence[str]) -> None:
     """Have the embedded instance's workers share ``modules`` (imported once, in the server).
 
@@ -119,7 +128,7 @@ def start(env_updates: dict[str, str], modules: Sequence[str] | None = None) -> 
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,  # its stderr is the trainer's: it is quiet unless it fails
-            env={**os.environ, **env_updates},
+            env={**THREADS, **os.environ, **env_updates},  # the trainer's threads, if it sets them
             start_new_session=True,
             pass_fds=(listener.fileno(),),
         )
