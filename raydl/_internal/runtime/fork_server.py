@@ -258,9 +258,9 @@ class Server:
             conn = self.children.pop(pid, None)
             if conn is not None:
                 self.selector.unregister(conn)
-                code = os.waitstatus_to_exitcode(status)
-                with contextlib.suppress(OSError):
-                    conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+                code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
+                with contextlib.suppress(OSError):  # a shell's exit status, as bash gives it
+                    conn.sendall(b"%d\n" % (code if code >= 0 else 128 - code))
                 conn.close()
 
     def launcher_gone(self, conn: socket.socket, pid: int) -> None:

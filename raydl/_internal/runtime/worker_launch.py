@@ -7,8 +7,8 @@ worker needs nothing a fork cannot give (a Python worker whose ``runtime_env``
 context is empty: no environment variables, command prefix, other interpreter or
 entry point) and the fork server named by ``RAYDL_FORK_SERVER`` takes the request,
 this process asks it for the worker (:mod:`.fork_server`), passing its arguments,
-environment, working folder and standard streams, then waits for the worker and
-exits with its status; SIGTERM and SIGINT are passed on to it. Otherwise it execs
+environment, working folder and standard streams, then becomes a shell that waits
+for the worker and exits with its status (:func:`ask`). Otherwise it execs
 Ray's ``setup_worker.py`` (``RAYDL_RAY_SETUP_WORKER``) with its own arguments, as
 the raylet would have.
 
@@ -20,10 +20,8 @@ the worker. Standard library only, run by path.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import sys
 from typing import Any
@@ -79,9 +77,15 @@ def forkable(context: dict[str, Any], language: str) -> bool:
     )
 
 
-def ask(path: str, site: list[str], argv: list[str]) -> int | None:
-    """Have the server at ``path`` fork the worker and wait for it; its exit code, or
-    None if the server did not take the request."""
+def ask(path: str, site: list[str], argv: list[str]) -> None:
+    """Have the server at ``path`` fork the worker, then wait for it as a shell.
+
+    Returns only if the server did not take the request. Once it did, this process
+    execs ``sh`` (:data:`WAIT`), which holds the connection (descriptor 3) and exits
+    with the worker's status when the server sends it: about 1 MB where this
+    interpreter holds 8. A signal that ends the shell closes the connection, and the
+    server kills the worker.
+    """
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
@@ -93,25 +97,33 @@ def ask(path: str, site: list[str], argv: list[str]) -> int | None:
             "flags": site,
         }
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
-        replies = conn.makefile("rb")
-        answer = json.loads(replies.readline() or b"{}")
+        answer = json.loads(_line(conn) or b"{}")
     except (OSError, ValueError):
-        return None
-    pid = answer.get("pid")
-    if not isinstance(pid, int):
-        return None
+        return
+    if not isinstance(answer.get("pid"), int):
+        return
+    if conn.fileno() != 3:
+        os.dup2(conn.fileno(), 3)
+    os.set_inheritable(3, True)  # the shell reads the worker's status there
+    os.execv(SHELL, ["sh", "-c", WAIT])
 
-    def pass_on(signum: int, _: Any) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
 
-    signal.signal(signal.SIGTERM, pass_on)
-    signal.signal(signal.SIGINT, pass_on)
-    try:
-        line = replies.readline()
-        return int(json.loads(line)["exit"]) if line else 1
-    except (OSError, ValueError, KeyError):
-        return 1
+#: The shell the launcher becomes once its worker runs, and what it runs: wait for the
+#: worker's exit status on descriptor 3 (the server's connection) and exit with it; 1 if
+#: the server went away first.
+SHELL = "/bin/sh"
+WAIT = 'read -r code <&3 && exit "$code"; exit 1'
+
+
+def _line(conn: socket.socket) -> bytes:
+    """One line from ``conn``, read a byte at a time (nothing after it is consumed)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte:
+            break
+        line += byte
+    return line
 
 
 def main(args: list[str]) -> None:
@@ -119,9 +131,7 @@ def main(args: list[str]) -> None:
     context, language, site, argv = parse(args)
     server = os.environ.get(SERVER_VAR)
     if server and argv and forkable(context, language):
-        code = ask(server, site, argv)
-        if code is not None:
-            sys.exit(code if code >= 0 else 128 - code)
+        ask(server, site, argv)  # returns only if the server did not take it
     setup = os.environ[RAY_SETUP_VAR]
     os.execv(sys.executable, [sys.executable, setup, *args])
 
