@@ -31,6 +31,12 @@ SERVER_VAR = "RAYDL_FORK_SERVER"
 #: Ray's own ``setup_worker.py``, the path taken when no fork serves.
 RAY_SETUP_VAR = "RAYDL_RAY_SETUP_WORKER"
 
+#: The shell the launcher becomes once its worker runs, and what it runs: wait for the
+#: worker's exit status on descriptor 3 (the server's connection) and exit with it; 1 if
+#: the server went away first.
+SHELL = "/bin/sh"
+WAIT = 'read -r code <&3 && exit "$code"; exit 1'
+
 _CONTEXT = "--serialized-runtime-env-context"
 _LANGUAGE = "--language"
 _SITE_FLAGS = ("-S", "-s")
@@ -106,13 +112,6 @@ def ask(path: str, site: list[str], argv: list[str]) -> None:
         os.dup2(conn.fileno(), 3)
     os.set_inheritable(3, True)  # the shell reads the worker's status there
     os.execv(SHELL, ["sh", "-c", WAIT])
-
-
-#: The shell the launcher becomes once its worker runs, and what it runs: wait for the
-#: worker's exit status on descriptor 3 (the server's connection) and exit with it; 1 if
-#: the server went away first.
-SHELL = "/bin/sh"
-WAIT = 'read -r code <&3 && exit "$code"; exit 1'
 
 
 def _line(conn: socket.socket) -> bytes:
