@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import raydl
 from raydl import RayDataLoader
 
 import _torch_free  # isort: skip
+from _private_ray import private_ray  # isort: skip
 from _datasets import ForkReport, PageFaults, TensorData, collate_and_report_shared  # isort: skip
 
 FILES = 40
@@ -34,6 +36,22 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for i in range(FILES):
         (root / f"{i:04d}.bin").write_bytes(str(i).encode())
     return root
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """The shared fixture's cluster, its workers forked (``RAYDL_FORK_WORKERS=1``, off by
+    default): this module checks what forked actors import and share."""
+    saved = os.environ.get("RAYDL_FORK_WORKERS")
+    os.environ["RAYDL_FORK_WORKERS"] = "1"
+    try:
+        with private_ray(num_cpus=2):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAYDL_FORK_WORKERS", None)
+        else:
+            os.environ["RAYDL_FORK_WORKERS"] = saved
 
 
 @pytest.fixture(autouse=True, scope="module")
