@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -109,6 +110,28 @@ def test_a_stopped_handoff_unblocks_its_producer_and_its_consumer() -> None:
     h.stop()
     assert unwound.is_set()
     assert h.thread is not None and not h.thread.is_alive()
+
+
+def test_handoff_never_loses_a_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each side waits on a lock the other releases when it sees the waiter's flag; a
+    wake-up lost between the flag and the wait would block that side for a whole slice.
+    With the slice longer than the test's timeout, a lost one fails the test. The GIL is
+    handed over every 10 us, so the two threads interleave at every bytecode or so."""
+    from raydl._internal.stream import handoff
+
+    monkeypatch.setattr(handoff, "SLICE_S", 600.0)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        count = 20_000
+        for maxsize in (1, 2):
+            h = Handoff(maxsize=maxsize)
+            h.start(lambda h=h: [h.put(i) for i in range(count)], name="raydl-test")
+            assert [h.take(0) for _ in range(count)] == list(range(count))
+            with pytest.raises(StopIteration):
+                h.take(0)
+    finally:
+        sys.setswitchinterval(switch)
 
 
 # -- the epoch iterator -------------------------------------------------------------

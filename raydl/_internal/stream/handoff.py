@@ -18,12 +18,22 @@ a stop flag the consumer sets, and the producer thread, whose death is noticed.
   without a word.
 
 Waits run in short slices, so a blocked side always notices the other's stop.
+
+The queue is a ``deque`` and each side waits on a lock of its own that the other side
+releases when it finds the flag "I wait" raised (a binary semaphore). A ``next()`` that
+finds its batch ready costs a ``popleft`` and, when the producer waits for room, one
+``release``: about 6-12 us on two busy cores against 21-29 us through ``queue.Queue``,
+whose ``get`` runs ``threading.Condition`` in Python and hands its lock over twice
+(measured in session 34; at 0.5x the one-process rate the tabular epoch makes 694 such
+calls). Neither side ever waits without looking at the flag and the deque once more
+after raising its own flag, so a wake-up is never lost: at worst a stale release makes
+the next wait return at once and the loop looks again.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +60,21 @@ class _Failure:
 
 
 _END = object()
+_EMPTY = object()  # no item queued
+
+
+def _signal() -> threading.Lock:
+    """A side's wake-up: a lock held until the other side releases it (:func:`_wake`)."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
+def _wake(signal: threading.Lock) -> None:
+    """Wake the side waiting on ``signal``; a wake nobody waited for is dropped (or, if
+    already released, the next wait returns at once and its loop looks again)."""
+    with contextlib.suppress(RuntimeError):  # released already: a wake is pending
+        signal.release()
 
 
 class _Noted:
@@ -110,7 +135,13 @@ class Handoff:
     """
 
     def __init__(self, maxsize: int = 0) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(0, maxsize))
+        self._items: collections.deque[Any] = collections.deque()
+        self._maxsize = max(0, maxsize)
+        # Each side's wake-up: held while nobody signals it, released by the other side.
+        self._room = _signal()  # the producer waits here for room
+        self._ready = _signal()  # the consumer waits here for an item
+        self._producer_waits = False
+        self._consumer_waits = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ended = False  # the consumer took the end or a failure
@@ -156,14 +187,20 @@ class Handoff:
         self._enqueue(item)
 
     def _enqueue(self, item: Any) -> None:
+        items, maxsize = self._items, self._maxsize
         while True:
             if self._stop.is_set():
                 raise Stopped
-            try:
-                self._queue.put(item, timeout=SLICE_S)
-                return
-            except queue.Full:
+            if not maxsize or len(items) < maxsize:
+                break
+            self._producer_waits = True
+            if len(items) < maxsize:  # the consumer took one before it could see the flag
                 continue
+            self._room.acquire(timeout=SLICE_S)
+        self._producer_waits = False
+        items.append(item)
+        if self._consumer_waits:
+            _wake(self._ready)
 
     def _put_final(self, item: Any) -> None:
         with contextlib.suppress(Stopped):  # nobody is waiting for it any more
@@ -195,26 +232,46 @@ class Handoff:
         """
         if self._ended:
             raise StopIteration
+        item = self._next_item()
+        if item is _EMPTY:
+            item = self._wait_for_item(timeout)
+        return self._unpack(item)
+
+    def _next_item(self) -> Any:
+        """The first queued item (``_EMPTY`` if none); wakes a producer waiting for room."""
+        try:
+            item = self._items.popleft()
+        except IndexError:
+            return _EMPTY
+        if self._producer_waits:
+            _wake(self._room)
+        return item
+
+    def _wait_for_item(self, timeout: float) -> Any:
         deadline = time.monotonic() + timeout if timeout > 0 else None
         while True:
             wait = SLICE_S * 4
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
-            try:
-                return self._unpack(self._queue.get(timeout=wait))
-            except queue.Empty:
-                pass
+            self._consumer_waits = True
+            item = self._next_item()  # put before the flag was up: no wake-up for it
+            if item is _EMPTY:
+                self._ready.acquire(timeout=wait)
+                item = self._next_item()
+            self._consumer_waits = False
+            if item is not _EMPTY:
+                return item
             if self._stop.is_set():
                 raise StopIteration
             thread = self._thread
             if thread is not None and not thread.is_alive():
-                try:
-                    return self._unpack(self._queue.get_nowait())
-                except queue.Empty:
-                    raise RuntimeError(
-                        f"raydl's {thread.name} thread ended without a result; this is a bug "
-                        "in raydl, please report it with the loader's arguments"
-                    ) from None
+                item = self._next_item()
+                if item is not _EMPTY:
+                    return item
+                raise RuntimeError(
+                    f"raydl's {thread.name} thread ended without a result; this is a bug "
+                    "in raydl, please report it with the loader's arguments"
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 raise timeout_error(timeout)
 
