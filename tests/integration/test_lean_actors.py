@@ -39,8 +39,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    """The shared fixture's cluster, its workers forked (``RAYDL_FORK_WORKERS=1``, off by
-    default): this module checks what forked actors import and share."""
+    """The shared fixture's cluster, its workers forked (``RAYDL_FORK_WORKERS=1``, the default
+    on Linux, set here whatever the environment says): this module checks what forked actors
+    import and share."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAYDL_FORK_WORKERS", "1")
         with private_ray(num_cpus=2):
@@ -122,7 +123,8 @@ def test_default_collate_stacks_into_plain_memory_in_the_actors() -> None:
     from torch.utils.data import DataLoader
 
     args = {"batch_size": 4, "num_workers": 1, "collate_fn": collate_and_report_shared}
-    torch_batches = list(DataLoader(TensorData(8), **args))
+    # Spawned: a torch worker forked from a Ray driver's process can crash the raylet.
+    torch_batches = list(DataLoader(TensorData(8), **args, multiprocessing_context="spawn"))
     assert [bool(b["shared"]) for b in torch_batches] == [True, True]
     loader = RayDataLoader(TensorData(8), **args, start_in_process=False)  # the actor's collate
     batches = list(loader)

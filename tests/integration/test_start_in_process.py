@@ -49,7 +49,11 @@ def _until_on_actors_and_torchs(
     finally:
         loader.close()
     torch.manual_seed(seed)
-    theirs = _epochs(DataLoader(RandomDraws(), **args, num_workers=2), False, len(ours), 0)
+    # Spawned, not forked: torch workers forked from this process, which runs a Ray driver,
+    # between raydl loaders crash Ray 2.60's raylet now and then (docs/design.md, Known
+    # limits). torch seeds a spawned worker as a forked one: the same draws.
+    torch_loader = DataLoader(RandomDraws(), **args, num_workers=2, multiprocessing_context="spawn")
+    theirs = _epochs(torch_loader, False, len(ours), 0)
     return ours, theirs, summaries
 
 

@@ -374,9 +374,9 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
     the dashboard head, with stand-ins for the raylet's two agents, and Ray's log
     monitor on a thread of this process (an idle instance: 99 MB of memory against
     372 MB, and two small stand-ins instead of five Python processes importing Ray;
-    docs/design.md, "Lean"). Its workers import ``preload`` as they start; with
-    ``RAYDL_FORK_WORKERS=1`` they are forked from raydl's fork server
-    (``runtime/forking.py``).
+    docs/design.md, "Lean"). Its workers import ``preload`` as they start; on Linux they
+    are forked from raydl's fork server (``runtime/forking.py``; ``RAYDL_FORK_WORKERS=0``
+    starts each as a fresh interpreter).
     """
     import ray
 

@@ -47,17 +47,16 @@ def lean_ray() -> bool:
     return _on_unless_off(LEAN_RAY)
 
 
-#: ``1`` forks the embedded Ray's workers from one process that imported torch once
-#: (``runtime/fork_server.py``); by default each is a fresh interpreter, as Ray starts them.
-#: Off by default while a Ray core crash seen with it on is not understood (docs/design.md,
-#: "Known limits").
+#: ``0`` starts each of the embedded Ray's workers as a fresh interpreter, as Ray does; by
+#: default (on Linux) they are forked from one process that imported what the loaders'
+#: actors import, once (``runtime/fork_server.py``).
 FORK_WORKERS = "RAYDL_FORK_WORKERS"
 
 
 def fork_workers() -> bool:
-    """Whether the embedded Ray instance forks its workers from raydl's fork server (``RAYDL_FORK_WORKERS=1``)."""
-    on = os.environ.get(FORK_WORKERS, "0").strip().lower() in {"1", "true", "yes", "on"}
-    return on and sys.platform == "linux"
+    """Whether the embedded Ray instance forks its workers from raydl's fork server (on Linux,
+    unless ``RAYDL_FORK_WORKERS=0``)."""
+    return _on_unless_off(FORK_WORKERS) and sys.platform == "linux"
 
 
 #: ``0`` leaves glibc's ``malloc`` thresholds as they are in raydl's actors (``workers/allocator.py``).
