@@ -113,10 +113,12 @@ def test_a_stopped_handoff_unblocks_its_producer_and_its_consumer() -> None:
 
 
 def test_handoff_never_loses_a_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each side waits on a lock the other releases when it sees the waiter's flag; a
-    wake-up lost between the flag and the wait would block that side for a whole slice.
-    With the slice longer than the test's timeout, a lost one fails the test. The GIL is
-    handed over every 10 us, so the two threads interleave at every bytecode or so."""
+    """The consumer waits on a lock the producer releases when it sees the consumer's flag;
+    a wake-up lost between the flag and the wait would block the consumer for a whole
+    slice. With the slice longer than the test's timeout, a lost one fails the test (it
+    does without the consumer's look-again after raising its flag). The GIL is handed over
+    every 10 us, so the two threads interleave at every bytecode or so. (A producer waiting
+    for room looks again by itself every 1-10 ms, so its side cannot hang.)"""
     from raydl._internal.stream import handoff
 
     monkeypatch.setattr(handoff, "SLICE_S", 600.0)

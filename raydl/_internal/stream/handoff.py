@@ -33,9 +33,9 @@ the producer's work on the next batch (a local shuffle round: 1-3.5 ms) ran whil
 ``next()`` sat runnable but not running (run-queue delay, measured in session 32); most
 likely the scheduler placed the freshly woken thread on the waker's core, ahead of it.
 Measured on the tabular benchmark's loader at 0.5x the one-process rate (2 cores,
-docs/benchmarks.md): calls to
-``next()`` over 1 ms went from 7-16 to 0-2 per epoch and the stall from 3.2-4.5 % to
-1.1-1.6 %; the polls cost a waiting producer about 4 % of a core at 1 ms, 1 % at 10 ms.
+docs/benchmarks.md): calls to ``next()`` over 1 ms went from 7-16 to 0-2 per epoch and
+the stall from 3.2-4.5 % to 1.1-1.6 %; the polls cost a waiting producer about 4 % of a
+core at 1 ms, 1 % at 10 ms.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class Handoff:
             if not maxsize or len(items) < maxsize:
                 break
             self._producer_waits = True
-            if len(items) < maxsize:  # the consumer took the last one before it saw the flag
+            if len(items) < maxsize:  # the consumer took one before it could see the flag
                 continue
             now = time.monotonic()
             full_since = now if full_since is None else full_since
