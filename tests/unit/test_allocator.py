@@ -55,3 +55,40 @@ def test_freed_big_arrays_are_reused_without_page_faults() -> None:
     assert applied and not not_applied
     assert default > ROUNDS * PAGES // 2  # glibc's defaults: most rounds fault their pages in
     assert kept < PAGES  # kept: all rounds together fault in less than one round's pages
+
+
+BIG_ARRAYS = 100  # of 1 MiB each: a reply larger than the initial trim threshold (64 MB)
+BIG_CODE = f"""
+import resource, sys
+import numpy as np
+from raydl._internal.workers import allocator
+allocator.keep_freed_memory()
+look = sys.argv[1] == "look"
+def one_round():
+    arrays = [np.ones(1 << 20, dtype=np.uint8) for _ in range({BIG_ARRAYS})]
+    if look:  # as an actor does once its reply is made
+        allocator.keep_working_set()
+    del arrays
+one_round()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    one_round()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, allocator.keep_working_set())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_reply_larger_than_the_trim_threshold_keeps_its_memory_for_the_next() -> None:
+    """After each reply an actor keeps as much freed memory as it had in use (bounded)."""
+    runs = {}
+    for how in ("look", "do_not_look"):
+        out = subprocess.run(
+            [sys.executable, "-c", BIG_CODE, how], capture_output=True, text=True, timeout=50
+        )
+        assert out.returncode == 0, out.stderr
+        faults, threshold = out.stdout.split()
+        runs[how] = int(faults), int(threshold)
+    pages = BIG_ARRAYS * (1 << 20) // 4096  # one round's
+    assert runs["do_not_look"][0] > 4 * pages // 2, runs  # given back and faulted in each round
+    assert runs["look"][0] < pages, runs
+    assert runs["look"][1] >= BIG_ARRAYS << 20 and runs["do_not_look"][1] == 64 << 20, runs

@@ -179,8 +179,10 @@ def test_shuffle_rebatch_copies_rows_rarely_and_holds_few_blocks(
     monkeypatch.setattr(batching, "SMALL_ROW_BYTES", -1)  # the rows that are not gathered per round
     ids = [i for b in shuffle_rebatch(iter(blocks), 16, False, 64, 1) for i in b["id"]]
     assert sorted(ids) == list(range(6400))
-    # Into its batch, and sometimes into a compacted block (the copying buffer: 3-4 times).
-    assert 6400 < copied <= 2 * 6400, copied
+    # Into its batch, and sometimes into a compacted block: only the sparsest blocks' rows
+    # (1.16 copies per row; gathering every held row when compacting made it 1.40, the
+    # copying buffer 3-4).
+    assert 6400 < copied <= 1.25 * 6400, copied
 
 
 def test_a_ragged_column_across_blocks_becomes_an_object_array_of_rows() -> None:

@@ -247,3 +247,50 @@ def test_a_buffer_whose_copy_has_not_completed_is_not_overwritten() -> None:
     for i, token in enumerate(tokens):
         assert torch.all(copier.ready(token)["x"] == float(i))
     assert pool.reused == 0  # none was free: every copy was still reading its buffer
+
+
+def test_host_arrays_reuse_memory_only_once_nothing_over_it_is_alive() -> None:
+    import numpy as np
+
+    from raydl._internal.stream.pinned import HostArrays
+
+    arrays = HostArrays()
+    small = arrays.empty((10,), np.dtype(np.float32))  # numpy's own
+    first = arrays.empty((512, 1024), np.dtype(np.float32))  # 2 MiB: from the pool
+    assert arrays.reused == 0 and first.flags.writeable and small.shape == (10,)
+    address = first.__array_interface__["data"][0]
+    second = arrays.empty((512, 1024), np.dtype(np.float32))
+    assert not np.shares_memory(first, second)  # the first is alive: a new buffer
+    tensor = torch.from_numpy(first[3:])  # a tensor over a view of it
+    del first
+    third = arrays.empty((512, 1024), np.dtype(np.float32))
+    assert third.__array_interface__["data"][0] != address, "reused while a tensor held it"
+    del tensor, second, third
+    again = arrays.empty((1024, 256), np.dtype(np.float64))  # another shape and dtype
+    assert arrays.reused == 1 and again.shape == (1024, 256) and again.dtype == np.float64
+
+
+def test_batches_gathered_into_reused_memory_stay_as_they_were_delivered() -> None:
+    """The local buffer's large rows go into pooled memory: batches kept are never written."""
+    import numpy as np
+
+    from raydl._internal.stream.batching import shuffle_rebatch
+    from raydl._internal.stream.pinned import HostArrays
+
+    def blocks() -> list[dict[str, np.ndarray]]:
+        return [
+            {"id": np.arange(i * 40, (i + 1) * 40), "x": np.full((40, 64, 128), i, np.float32)}
+            for i in range(30)
+        ]
+
+    expected = list(shuffle_rebatch(iter(blocks()), 32, False, 96, 5))
+    arrays = HostArrays()
+    kept: list[tuple[dict[str, np.ndarray], torch.Tensor]] = []
+    for i, batch in enumerate(shuffle_rebatch(iter(blocks()), 32, False, 96, 5, arrays.empty)):
+        if i % 3 == 0:  # the trainer keeps every third batch (as tensors), drops the others
+            kept.append((batch, torch.from_numpy(batch["x"])))
+    assert arrays.reused > 0
+    for batch, tensor in kept:
+        want = next(e for e in expected if np.array_equal(e["id"], batch["id"]))
+        assert np.array_equal(tensor.numpy(), want["x"])
+        assert np.array_equal(tensor[:, 0, 0].numpy(), batch["id"] // 40)

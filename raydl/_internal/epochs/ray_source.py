@@ -65,6 +65,7 @@ from raydl._internal.stream.direct_producer import DirectProducer
 from raydl._internal.stream.dispatch import Actors, ActorStart, LateActors
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.exchange_producer import ExchangeProducer, Partitions
+from raydl._internal.stream.pinned import HostArrays
 from raydl._internal.stream.ray_producer import RayDataProducer
 from raydl._internal.workers.convert import numpy_batch_to_tensors
 from raydl._internal.workers.pool import WorkerPool
@@ -522,7 +523,11 @@ class RaySource(RankEpochs):
         )
 
     def _cut(self, buffer: int | None, seed: int | None) -> Callable[[Any], Any]:
-        """Blocks -> this loader's batches (through a local shuffle buffer if ``buffer``)."""
+        """Blocks -> this loader's batches (through a local shuffle buffer if ``buffer``).
+
+        One epoch's: the arrays the buffer gathers its batches into come from a pool of
+        the epoch's own (``pinned.HostArrays``), used on its producer thread.
+        """
         settings = self._settings
         return functools.partial(
             cut_batches,
@@ -530,6 +535,7 @@ class RaySource(RankEpochs):
             drop_last=settings.drop_last,
             buffer=buffer,
             seed=seed,
+            empty=HostArrays().empty,
         )
 
     def _pool_for(self, direct: DirectPlan, plan: EpochPlan) -> WorkerPool:

@@ -17,13 +17,16 @@ batcher gives.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
 
 Batch = dict[str, np.ndarray]
 T = TypeVar("T")
+#: ``(shape, dtype)`` -> a new uninitialised array: ``np.empty``, or reused memory
+#: (``pinned.HostArrays.empty``, in the trainer's process).
+Empty = Callable[[tuple[int, ...], Any], np.ndarray]
 
 
 def row_count(batch: Batch) -> int:
@@ -101,7 +104,9 @@ def row_bytes(column: np.ndarray) -> int:
     return column.itemsize * math.prod(column.shape[1:])
 
 
-def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
+def gather(
+    blocks: list[Batch], starts: np.ndarray, rows: np.ndarray, empty: Empty = np.empty
+) -> Batch:
     """Rows ``rows`` of ``blocks`` gathered into one batch, in that order.
 
     ``starts``: the index of each block's first row in the blocks' concatenation, then
@@ -114,7 +119,7 @@ def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
     concatenated when ``rows`` takes at least half of their rows (an exchange's reduce:
     three numpy calls, not two per block), else block by block (the local buffer: a
     batch out of a larger pool). Large rows (images) are copied one by one, straight
-    into place (a fancy index would copy them twice).
+    into place (a fancy index would copy them twice), into memory from ``empty``.
     """
     if len(blocks) == 1:
         return {name: column[rows] for name, column in blocks[0].items()}
@@ -136,7 +141,7 @@ def gather(blocks: list[Batch], starts: np.ndarray, rows: np.ndarray) -> Batch:
         if ragged:
             column = np.empty(len(rows), dtype=object)
         else:
-            column = np.empty((len(rows), *sample.shape[1:]), dtype=np.result_type(*columns))
+            column = empty((len(rows), *sample.shape[1:]), np.result_type(*columns))
         if ragged or large:
             for i, (index, row) in enumerate(zip(which.tolist(), local.tolist(), strict=True)):
                 column[i] = columns[index][row]
@@ -174,7 +179,8 @@ class _Pool:
     pool each round (for 224x224 images that copying took longer than the decode).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, empty: Empty = np.empty) -> None:
+        self._empty = empty
         self._blocks: list[Batch] = []
         self._starts = np.zeros(1, dtype=np.int64)  # global index of each block's first row
         self.rows = np.zeros(0, dtype=np.int64)  # the held rows, in the pool's order
@@ -207,39 +213,66 @@ class _Pool:
 
     def take(self, rows: np.ndarray) -> Batch:
         """The held rows ``rows`` (global indices) gathered into one batch."""
-        return gather(self._blocks, self._starts, rows)
+        return gather(self._blocks, self._starts, rows, self._empty)
 
     #: The held rows may keep at most this many times their number of block rows alive;
     #: beyond, they are gathered into one block (a row lingers for many rounds, and one
     #: row keeps its whole block: 224x224 float images in blocks of 250 would otherwise
     #: keep about 25 blocks, gigabytes, for a 1,024-row buffer).
     SLACK = 3
+    #: What a compaction brings that ratio down to.
+    AFTER = 2
 
     def keep(self, rows: np.ndarray) -> None:
-        """Hold only ``rows``, in that order; blocks no row refers to are let go."""
-        self.rows = rows
+        """Hold only ``rows``, in that order; blocks no row refers to are let go.
+
+        When the blocks still referred to hold more than :attr:`SLACK` times the held
+        rows, the sparsest of them (fewest held rows per block row) are gathered into
+        one new block until they hold at most :attr:`AFTER` times: the rows copied are
+        few (a row that stays long sits in an old, sparse block), not the whole buffer.
+        """
         if not len(rows):
+            self.rows = rows
             self._blocks, self._starts = [], np.zeros(1, dtype=np.int64)
             return
         which = np.searchsorted(self._starts, rows, side="right") - 1
-        used = np.flatnonzero(np.bincount(which, minlength=len(self._blocks)))
-        sizes = np.diff(self._starts)[used]
-        if sizes.sum() > self.SLACK * len(rows):
-            compact = self.take(rows)
-            self._blocks = [compact]
-            self._starts = np.array([0, len(rows)], dtype=np.int64)
-            self.rows = np.arange(len(rows), dtype=np.int64)
+        counts = np.bincount(which, minlength=len(self._blocks))
+        used = np.flatnonzero(counts)
+        sizes = np.diff(self._starts)
+        total = int(sizes[used].sum())
+        moved = np.zeros(len(self._blocks), dtype=bool)
+        if total > self.SLACK * len(rows):
+            # Sparsest first: each block gathered frees its size for its held rows' copy.
+            by_density = used[np.argsort(counts[used] / sizes[used], kind="stable")]
+            freed = np.cumsum(sizes[by_density] - counts[by_density])
+            enough = int(np.searchsorted(freed, total - self.AFTER * len(rows))) + 1
+            moved[by_density[:enough]] = True
+        if not moved.any() and len(used) == len(self._blocks):
+            self.rows = rows
             return
-        if len(used) == len(self._blocks):
-            return
-        self.rows = _renumbered(self._starts, used, which, rows)
-        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._blocks = [self._blocks[i] for i in used]
-        self._starts = starts
+        stays = used[~moved[used]]
+        staying = ~moved[which]
+        blocks = [self._blocks[i] for i in stays]
+        new_rows = np.empty(len(rows), dtype=np.int64)
+        new_rows[staying] = _renumbered(self._starts, stays, which[staying], rows[staying])
+        block_sizes = sizes[stays].tolist()
+        if moved.any():
+            compact = self.take(rows[~staying])
+            new_rows[~staying] = sum(block_sizes) + np.arange(int((~staying).sum()))
+            blocks.append(compact)
+            block_sizes.append(int((~staying).sum()))
+        self._blocks = blocks
+        self._starts = np.concatenate([[0], np.cumsum(block_sizes)]).astype(np.int64)
+        self.rows = new_rows
 
 
 def shuffle_rebatch(
-    blocks: Iterable[Batch], batch_size: int, drop_last: bool, buffer: int, seed: int | None
+    blocks: Iterable[Batch],
+    batch_size: int,
+    drop_last: bool,
+    buffer: int,
+    seed: int | None,
+    empty: Empty = np.empty,
 ) -> Iterator[Batch]:
     """Batches drawn at random from a local buffer of at least ``buffer`` rows.
 
@@ -249,10 +282,10 @@ def shuffle_rebatch(
     The batch count is that of :func:`rebatch`: only the order differs. Small rows
     (:data:`SMALL_ROW_BYTES`) are gathered once per round in its order, the batches
     being slices of that copy; larger ones are copied once, into their batch
-    (:class:`_Pool`).
+    (:class:`_Pool`), in memory from ``empty``.
     """
     rng = np.random.default_rng(seed)
-    pool = _Pool()
+    pool = _Pool(empty)
     for block in blocks:
         rows = row_count(block)
         if rows == 0:
@@ -288,10 +321,14 @@ def cut_batches(
     drop_last: bool,
     buffer: int | None,
     seed: int | None,
+    empty: Empty = np.empty,
 ) -> Iterator[Batch]:
-    """``blocks`` cut into batches: through the local shuffle buffer if ``buffer``, else in order."""
+    """``blocks`` cut into batches: through the local shuffle buffer if ``buffer``, else in order.
+
+    ``empty`` makes the arrays the buffer gathers batches into (:data:`Empty`).
+    """
     if buffer:
-        return shuffle_rebatch(blocks, batch_size, drop_last, buffer, seed)
+        return shuffle_rebatch(blocks, batch_size, drop_last, buffer, seed, empty)
     return rebatch(blocks, batch_size, drop_last)
 
 

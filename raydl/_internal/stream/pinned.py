@@ -26,14 +26,18 @@ of torch's allocator, which caches its blocks and reuses one once the copies it
 recorded on it are done; not this pool.
 
 The allocator is injected (``torch.empty(..., pin_memory=True)`` fails without
-CUDA), so the pool's reuse and lifetimes are tested on CPU.
+CUDA), so the pool's reuse and lifetimes are tested on CPU. The same pool over
+plain host memory (:class:`HostArrays`) gives the local shuffle buffer's gathered
+batches memory that is reused rather than mapped afresh for every batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
@@ -160,13 +164,13 @@ class PinnedPool:
 
     def _copy_in(self, tensor: torch.Tensor, buffers: list[_Buffer]) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
-        buffer = self._take(max(1, nbytes))
+        buffer = self.take(max(1, nbytes))
         buffers.append(buffer)
         out = buffer.data[:nbytes].view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor)
         return out
 
-    def _take(self, nbytes: int) -> _Buffer:
+    def take(self, nbytes: int) -> _Buffer:
         """A free buffer of at least ``nbytes`` (and at most twice that), or a new one."""
         best: _Buffer | None = None
         spare: _Buffer | None = None  # a free buffer of the wrong size, to replace
@@ -188,3 +192,43 @@ class PinnedPool:
         if len(self._buffers) < self._keep:
             self._buffers.append(fresh)
         return fresh
+
+
+def host_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of plain host memory (a 1-D ``uint8`` tensor)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class HostArrays:
+    """New numpy arrays for batches made in this process, in memory reused from a pool.
+
+    The local shuffle buffer gathers each batch of large rows into a new array
+    (``batching.gather``). Memory freshly mapped for each one costs the kernel a page
+    fault and a zeroed page per 4 KiB written, more than the copy itself: for a
+    64x3x224x224 float32 batch, clearing pages was an eighth of the whole machine's
+    CPU in the ``images_rgb224`` benchmark. So arrays of at least :data:`MIN_BYTES`
+    come from a :class:`PinnedPool` over :func:`host_bytes`: a buffer is reused once
+    no array or tensor over it is alive (the batch, a view of it, a tensor
+    ``torch.from_numpy`` made of it: each holds the buffer's storage). It holds at
+    most ``keep`` buffers, so at most what was alive at once, and what one epoch's
+    batches held: one pool per epoch, on its producer thread (not thread-safe).
+    """
+
+    #: Smaller arrays come from numpy's own allocator (its cache, or the heap).
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, keep: int = 16) -> None:
+        self._pool = PinnedPool(host_bytes, keep=keep)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """An uninitialised array, like ``np.empty(shape, dtype)``; never of ``object`` dtype."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES or dtype.hasobject:
+            return np.empty(shape, dtype=dtype)
+        data = self._pool.take(nbytes).data[:nbytes]
+        return data.numpy().view(dtype).reshape(shape)
+
+    @property
+    def reused(self) -> int:
+        """Arrays made in memory an earlier array used."""
+        return self._pool.reused

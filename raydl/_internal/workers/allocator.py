@@ -9,18 +9,22 @@ and zeroed by the kernel again. Measured here (2 CPUs, the benchmark's JPEG
 decode of 224x224 images, three runs each way): 158 page faults per image, and
 the decode took 0.94-1.15 ms per image against 0.63-0.85 ms with both thresholds
 raised through glibc's ``MALLOC_*_`` variables (256 MB and 1 GB; 7 faults per
-image). The thresholds kept, 64 MB, are a middle measured on the whole loader
-(docs/design.md).
+image).
 
 So each actor raises both thresholds when it starts (``mallopt``): allocations up
 to :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` of
-free heap is kept for the next allocation rather than returned. The cost is that
-an actor's resident memory stays near its high-water mark between batches
-(docs/design.md, "What an actor's process does differently from a torch
-worker's"). It applies to raydl's actors only, never to the training process; there,
-:func:`release_freed_memory` only gives back what the trainer's stand-ins freed.
-``RAYDL_KEEP_FREED_MEMORY=0`` leaves glibc's defaults; on other C libraries (musl,
-macOS) nothing changes.
+free heap is kept for the next allocation rather than returned. A reply larger
+than that (a direct run of 250 decoded 224x224 images is 150 MB) would still be
+given back to the kernel once sent, and faulted in again for the next one (49
+faults per image, a sixth of the actor's CPU in system time). So after each
+reply the actor raises the trim threshold to the memory it has in use
+(:func:`keep_working_set`; at most :data:`MAX_TRIM_THRESHOLD`): what one reply
+needed is kept for the next, and no more. The cost is that an actor's resident
+memory stays near its high-water mark between batches (docs/design.md, "What an
+actor's process does differently from a torch worker's"). It applies to raydl's
+actors only, never to the training process; there, :func:`release_freed_memory`
+only gives back what the trainer's stand-ins freed. ``RAYDL_KEEP_FREED_MEMORY=0``
+leaves glibc's defaults; on other C libraries (musl, macOS) nothing changes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+import time
 from typing import Any
 
 from raydl._internal.runtime import env
@@ -40,18 +45,53 @@ _M_MMAP_THRESHOLD = -3
 #: Allocations up to this size come from the heap, not from their own ``mmap``.
 MMAP_THRESHOLD = 64 << 20
 
-#: Free memory at the top of the heap kept for later allocations, at most.
+#: Free memory at the top of the heap kept for later allocations, at first.
 TRIM_THRESHOLD = 64 << 20
+
+#: The most free memory :func:`keep_working_set` keeps.
+MAX_TRIM_THRESHOLD = 1 << 30
+
+#: :func:`keep_working_set` raises the threshold in steps of this many bytes.
+_STEP = 16 << 20
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33+)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+#: :func:`keep_working_set` looks at most this often: ``mallinfo2`` walks the heaps'
+#: free lists (130 us with 5,000 free chunks), more than a small batch takes to load.
+_EVERY_S = 0.5
+
+#: The trim threshold this process set (0: none, the thresholds are glibc's own).
+_trim_threshold = 0
+_looked_at = -_EVERY_S  # time.monotonic() of the last look
 
 
 @functools.cache
-def _glibc(name: str, argtypes: tuple[Any, ...]) -> Any:
-    """glibc's function ``name`` (returning an ``int``), or ``None`` on another C library."""
+def _glibc(name: str, argtypes: tuple[Any, ...], restype: Any = ctypes.c_int) -> Any:
+    """glibc's function ``name`` (returning ``restype``), or ``None`` on another C library."""
     try:
         function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):  # not glibc
         return None
-    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    function.argtypes, function.restype = list(argtypes), restype
     return function
 
 
@@ -63,12 +103,45 @@ def keep_freed_memory() -> bool:
     """
     if not sys.platform.startswith("linux") or not env.keep_freed_memory():
         return False
+    global _trim_threshold
     mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD):
+        _trim_threshold = TRIM_THRESHOLD
+        return True
+    return False
+
+
+def keep_working_set() -> int:
+    """Raise the trim threshold to the memory this process has in use now (an actor, its reply made).
+
+    Called while the reply is alive, so the freed memory its successor will need
+    is kept. Looks at most every :data:`_EVERY_S` seconds (a working set is set by
+    the first few replies); only raises, in steps of 16 MB, to at most
+    :data:`MAX_TRIM_THRESHOLD`; nothing happens unless :func:`keep_freed_memory` set
+    the thresholds.
+
+    Returns:
+        The trim threshold now (0: glibc's own).
+    """
+    global _trim_threshold, _looked_at
+    if not _trim_threshold or _trim_threshold >= MAX_TRIM_THRESHOLD:
+        return _trim_threshold
+    now = time.monotonic()
+    if now - _looked_at < _EVERY_S:
+        return _trim_threshold
+    _looked_at = now
+    mallinfo2 = _glibc("mallinfo2", (), _Mallinfo2)
+    if mallinfo2 is None:  # glibc before 2.33
+        return _trim_threshold
+    info = mallinfo2()
+    in_use = info.uordblks + info.hblkhd  # the heaps' chunks in use, and mmap'd ones
+    wanted = min(MAX_TRIM_THRESHOLD, -(-in_use // _STEP) * _STEP)
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    if wanted > _trim_threshold and mallopt(_M_TRIM_THRESHOLD, wanted):
+        _trim_threshold = wanted
+    return _trim_threshold
 
 
 def release_freed_memory() -> None:

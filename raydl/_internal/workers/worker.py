@@ -314,7 +314,9 @@ class DatasetWorker:
             return RemoteError(
                 where=f"in Ray worker {self._id} while loading {describe_indices(indices)}"
             )
-        return _for_transport(data)
+        reply = _for_transport(data)
+        allocator.keep_working_set()  # what this reply needed is kept for the next one
+        return reply
 
     def continue_from(self, rng: RngStates) -> None:
         """Take up the RNG states where the trainer's stand-in for this worker left them.
@@ -375,7 +377,9 @@ class DatasetWorker:
             return EXHAUSTED
         except Exception:
             return RemoteError(where=f"in Ray worker {self._id} while iterating the dataset")
-        return _for_transport(data)
+        reply = _for_transport(data)
+        allocator.keep_working_set()
+        return reply
 
 
 def load_batch(
