@@ -339,6 +339,7 @@ def ray_batches(
     drop_last: bool,
     buffer: int | None,
     seed: int | None,
+    empty: Empty = np.empty,
 ) -> Generator[Batch, None, None]:
     """``source``'s numpy batches (a ``Dataset``, ``DataIterator`` or split), cut by raydl.
 
@@ -351,7 +352,12 @@ def ray_batches(
     blocks = iter(source.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1))
     try:
         yield from cut_batches(
-            blocks, batch_size=batch_size, drop_last=drop_last, buffer=buffer, seed=seed
+            blocks,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            buffer=buffer,
+            seed=seed,
+            empty=empty,
         )
     finally:
         close = getattr(blocks, "close", None)

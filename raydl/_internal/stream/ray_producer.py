@@ -21,6 +21,7 @@ from raydl._internal.runtime.cluster import is_connected
 from raydl._internal.stream.batching import ray_batches, skip_consumed
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import Handoff
+from raydl._internal.stream.pinned import HostArrays
 
 
 class RayDataProducer(Producer):
@@ -73,6 +74,7 @@ class RayDataProducer(Producer):
             drop_last=drop_last,
             buffer=local_shuffle_buffer_size,
             seed=local_shuffle_seed,
+            empty=HostArrays().empty,  # used on this producer's thread only
         )
         self._collate = collate
         self._skip = skip
