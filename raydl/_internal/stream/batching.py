@@ -256,11 +256,13 @@ class _Pool:
         new_rows = np.empty(len(rows), dtype=np.int64)
         new_rows[staying] = _renumbered(self._starts, stays, which[staying], rows[staying])
         block_sizes = sizes[stays].tolist()
-        if moved.any():
-            compact = self.take(rows[~staying])
-            new_rows[~staying] = sum(block_sizes) + np.arange(int((~staying).sum()))
-            blocks.append(compact)
-            block_sizes.append(int((~staying).sum()))
+        if moved.any():  # their rows, in the pool's order, after the blocks that stay
+            moving = rows[~staying]
+            new_rows[~staying] = sum(block_sizes) + np.arange(len(moving))
+            # Fresh memory: a compacted block lives for many rounds and has its own size,
+            # so it would only crowd the pool of batch-sized arrays (``empty``).
+            blocks.append(gather(self._blocks, self._starts, moving))
+            block_sizes.append(len(moving))
         self._blocks = blocks
         self._starts = np.concatenate([[0], np.cumsum(block_sizes)]).astype(np.int64)
         self.rows = new_rows

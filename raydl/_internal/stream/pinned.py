@@ -210,8 +210,10 @@ class HostArrays:
     come from a :class:`PinnedPool` over :func:`host_bytes`: a buffer is reused once
     no array or tensor over it is alive (the batch, a view of it, a tensor
     ``torch.from_numpy`` made of it: each holds the buffer's storage). It holds at
-    most ``keep`` buffers, so at most what was alive at once, and what one epoch's
-    batches held: one pool per epoch, on its producer thread (not thread-safe).
+    most ``keep`` buffers: those alive at once, and free ones of another size until a
+    new size needs their place (the last, short batch; the local buffer's compacted
+    blocks are not made here). One pool per epoch, used on its producer thread (not
+    thread-safe).
     """
 
     #: Smaller arrays come from numpy's own allocator (its cache, or the heap).
