@@ -164,18 +164,24 @@ def test_shuffle_rebatch_copies_rows_rarely_and_holds_few_blocks(
     from raydl._internal.stream import batching
 
     copied = 0
-    real = batching._Pool.take
+    real_take, real_gather = batching._Pool.take, batching.gather
 
-    def counting(self: batching._Pool, rows: np.ndarray) -> dict[str, np.ndarray]:
-        nonlocal copied
-        copied += len(rows)
+    def checking(self: batching._Pool, rows: np.ndarray) -> dict[str, np.ndarray]:
         # the blocks alive hold at most SLACK times the rows held (80 here), plus one block
         alive = int(self._starts[-1])
         assert alive <= batching._Pool.SLACK * (64 + 16) + 32, alive
-        return real(self, rows)
+        return real_take(self, rows)
+
+    def counting(
+        blocks: list[dict[str, np.ndarray]], starts: np.ndarray, rows: np.ndarray, *args: object
+    ) -> dict[str, np.ndarray]:
+        nonlocal copied
+        copied += len(rows)
+        return real_gather(blocks, starts, rows, *args)  # type: ignore[arg-type]
 
     blocks = [{"id": np.arange(i * 32, (i + 1) * 32)} for i in range(200)]
-    monkeypatch.setattr(batching._Pool, "take", counting)
+    monkeypatch.setattr(batching._Pool, "take", checking)
+    monkeypatch.setattr(batching, "gather", counting)  # batches and compacted blocks
     monkeypatch.setattr(batching, "SMALL_ROW_BYTES", -1)  # the rows that are not gathered per round
     ids = [i for b in shuffle_rebatch(iter(blocks), 16, False, 64, 1) for i in b["id"]]
     assert sorted(ids) == list(range(6400))
