@@ -316,13 +316,22 @@ class EpochWork:
         runs (in an actor; not in the trainer's process, whose other threads may read
         the current one).
         """
+        return list(self.stream(paths, own_context=own_context))
+
+    def stream(
+        self, paths: Sequence[str], *, own_context: bool = True
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """:meth:`load`'s blocks, each made when the one before was taken (an actor's
+        memory holds one block and its stage's temporaries, not the run)."""
         with batches.RayData(self.context if own_context else None) as ray_data:
             outputs: Iterable[Any] = self.reader.read(paths, self.retried)
             for stage in self.stages:
                 blocks = (batches.to_block(output, ray_data) for output in outputs)
                 outputs = stage.apply(blocks, ray_data)
-            loaded = (batches.to_numpy(output, ray_data) for output in outputs)
-            return [batch for batch in loaded if row_count(batch)]
+            for output in outputs:
+                batch = batches.to_numpy(output, ray_data)
+                if row_count(batch):
+                    yield batch
 
     def run(self, task: Task, *, own_context: bool = True) -> Any:
         """An actor's reply to ``task`` (``own_context``: as for :meth:`load`).
@@ -345,6 +354,11 @@ class EpochWork:
         return (counts, loaded_bytes(pieces)), *pieces
 
 
+#: A streamed run's parts hold at least this many bytes of blocks (:meth:`RunLoader.parts`):
+#: a few parts per run, each a Ray object this process owns.
+PART_BYTES = 64 << 20
+
+
 class RunLoader:
     """The "dataset" of a direct pool's actors: request ``(work, task)`` -> the task's reply.
 
@@ -360,10 +374,10 @@ class RunLoader:
     def __init__(self) -> None:
         self._works: dict[Any, EpochWork] = {}
 
-    def __getitem__(self, request: tuple[list[Any], Task]) -> Any:
+    def _work(self, holder: list[Any], task: Task) -> EpochWork | Any:
+        """The epoch's work (fetched once, kept for the next requests), or the failed reply."""
         import ray
 
-        holder, task = request
         ref = holder[0]
         work = self._works.get(ref)
         if work is None:
@@ -374,10 +388,43 @@ class RunLoader:
             except Exception as err:  # not cached: the next request tries again
                 return failed_reply(task, _unpickling_failed(err))
             self._works = {ref: work, **dict(list(self._works.items())[:1])}  # this + one more
+        return work
+
+    def __getitem__(self, request: tuple[list[Any], Task]) -> Any:
+        holder, task = request
+        work = self._work(holder, task)
+        if not isinstance(work, EpochWork):
+            return work
         try:
             return work.run(task)
         except Exception:
             return failed_reply(task, RemoteError(where=_where(work, "on a raydl actor", task)))
+
+    def parts(self, request: tuple[list[Any], LoadRun]) -> Iterator[Any]:
+        """A :class:`LoadRun`'s reply in parts, for a streaming call (``DatasetWorker.fetch_parts``).
+
+        Each part is a list of the run's next blocks, of at least :data:`PART_BYTES`
+        (the last one: the rest); joined, they are :meth:`__getitem__`'s reply. A part
+        is sent, and its memory freed here, before the next one is made, so an actor
+        holds one part, not the run (a run of 250 decoded 224x224 images is 150 MB).
+        A failure is the last part: the failed reply.
+        """
+        holder, task = request
+        work = self._work(holder, task)
+        if not isinstance(work, EpochWork):
+            yield work
+            return
+        part: list[dict[str, np.ndarray]] = []
+        try:
+            for block in work.stream(task.paths):
+                part.append(block)
+                if loaded_bytes(part) >= PART_BYTES:
+                    yield part
+                    part = []
+        except Exception:
+            yield failed_reply(task, RemoteError(where=_where(work, "on a raydl actor", task)))
+            return
+        yield part  # the rest (an empty run: its one, empty, part)
 
 
 def failed_reply(task: Task, error: RemoteError) -> Any:

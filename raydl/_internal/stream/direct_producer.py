@@ -10,10 +10,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from raydl._internal.stream.batching import skip_consumed
-from raydl._internal.stream.dispatch import Actors, Calls, Dispatcher, LateActors, RayCalls
+from raydl._internal.stream.dispatch import Actors, Calls, Dispatcher, LateActors, StreamedCalls
 from raydl._internal.stream.handoff import Handoff
 from raydl._internal.stream.pool_producers import PoolProducer, unwrap
 from raydl._internal.workers.convert import owned_blocks
+
+#: The actors' method a run is loaded by: its reply streamed in parts (``RunLoader.parts``).
+RUN_METHOD = "fetch_parts"
 
 
 class DirectProducer(PoolProducer):
@@ -64,7 +67,7 @@ class DirectProducer(PoolProducer):
         local: Callable[[Any], list[Any]] | None = None,
     ) -> None:
         super().__init__(None)
-        self._calls = calls or RayCalls()
+        self._calls = calls or StreamedCalls(RUN_METHOD)
         self._actors = (
             actors if isinstance(actors, LateActors) else LateActors(actors, calls=self._calls)
         )
@@ -108,7 +111,7 @@ class DirectProducer(PoolProducer):
         dispatch = Dispatcher(
             actors.pool,
             self._calls,
-            method="fetch",
+            method=RUN_METHOD,
             describe=self._describe,
             between=self._check_stop,
         )

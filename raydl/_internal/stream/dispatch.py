@@ -122,6 +122,66 @@ class SplitCalls(RayCalls):
         return [ref for ref in refs if ref[0] in ready]
 
 
+class _Stream:
+    """A streaming call in flight: its ``ObjectRefGenerator``, the parts taken so far."""
+
+    __slots__ = ("generator", "parts", "taken")
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+        self.parts: list[Any] = []  # the reply so far: the parts' items, in order
+        self.taken: Any = None  # a part's reference taken from the generator, not yet fetched
+
+
+class StreamedCalls(RayCalls):
+    """:class:`RayCalls` where ``method`` replies in parts (``num_returns="streaming"``).
+
+    ``get`` joins the parts (lists) into the reply; a part that is not a list (a
+    failed reply) is the reply. The parts are Ray objects this process owns, as a
+    call's return is: they outlive the actor that made it. The actor sends each
+    part before it makes the next, so it holds one part at a time, not the reply.
+    """
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    def submit(self, actor: Any, method: str, *args: Any) -> Any:
+        if method != self._method:
+            return super().submit(actor, method, *args)
+        return _Stream(getattr(actor, method).options(num_returns="streaming").remote(*args))
+
+    def get(self, ref: Any, timeout: float) -> Any:
+        if not isinstance(ref, _Stream):
+            return super().get(ref, timeout)
+        import ray
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if ref.taken is None:
+                left = max(0.0, deadline - time.monotonic())
+                if not ray.wait([ref.generator], num_returns=1, timeout=left)[0]:
+                    raise ResultTimeout
+                try:
+                    ref.taken = next(ref.generator)
+                except StopIteration:
+                    return ref.parts
+                except RayActorError as err:
+                    raise WorkerLost(type(err).__name__) from err
+            part = super().get(ref.taken, max(0.0, deadline - time.monotonic()))
+            ref.taken = None
+            if not isinstance(part, list):
+                return part
+            ref.parts.extend(part)
+
+    def wait(self, refs: Sequence[Any], timeout: float) -> list[Any]:
+        import ray
+
+        plain = [ref.generator if isinstance(ref, _Stream) else ref for ref in refs]
+        ready, _ = ray.wait(plain, num_returns=1, timeout=timeout)
+        return [ref for ref, each in zip(refs, plain, strict=True) if any(each is r for r in ready)]
+
+
 class _WorkerLostError(WorkerDiedError):
     """:class:`WorkerDiedError` for a lost worker, caused by Ray's own error (retryable)."""
 

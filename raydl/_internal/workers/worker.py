@@ -318,6 +318,19 @@ class DatasetWorker:
         allocator.keep_working_set()  # what this reply needed is kept for the next one
         return reply
 
+    def fetch_parts(self, request: Any) -> Iterator[Any]:
+        """The reply to ``request`` in parts, for a streaming call (``num_returns="streaming"``).
+
+        For a dataset with ``parts`` (a direct pool's ``RunLoader``): each part is sent,
+        and its memory freed here, before the next is made.
+        """
+        if self._init_error is not None:
+            yield self._init_error
+            return
+        for part in self._dataset.parts(request):
+            allocator.keep_working_set()  # what this part needed is kept for the next one
+            yield part
+
     def continue_from(self, rng: RngStates) -> None:
         """Take up the RNG states where the trainer's stand-in for this worker left them.
 
