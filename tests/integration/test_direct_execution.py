@@ -440,3 +440,69 @@ def test_a_map_phase_survives_a_killed_actor_and_names_a_failing_stage(
         list(failing)
     assert "MapBatches(reject_seven)" in str(info.value) and "0007.bin" in str(info.value)
     failing.close()
+
+
+def _widen(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each row becomes 12 MB (its id, 1.5 million times)."""
+    ids = batch["id"]
+    return {"id": ids, "x": np.repeat(ids.astype(np.float64)[:, None], 1_500_000, axis=1)}
+
+
+@pytest.mark.timeout(120)
+def test_a_run_larger_than_a_part_arrives_whole_through_its_streamed_parts(
+    tmp_path: Path,
+) -> None:
+    """One run of 8 blocks of 12 MB: two parts (64 MiB, then the rest), joined in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raydl._internal.epochs.direct import PART_BYTES
+
+    pq.write_table(pa.table({"id": np.arange(8)}), tmp_path / "rows.parquet", row_group_size=1)
+    ds = raydl.read_parquet(str(tmp_path)).map_batches(_widen, batch_size=1, batch_format="numpy")
+    assert direct_plan(ds) is not None and PART_BYTES < 8 * 12_000_000
+    loader = RayDataLoader(ds, batch_size=3, start_in_process=False)  # every run on an actor
+    for _ in range(2):
+        batches = list(loader)
+        assert [b["id"].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+        for batch in batches:
+            assert torch.equal(batch["x"], batch["id"].double()[:, None].expand(-1, 1_500_000))
+    loader.close()
+
+
+@pytest.mark.timeout(60)
+def test_streamed_calls_join_the_parts_and_a_failed_part_is_the_reply() -> None:
+    from raydl._internal.stream.dispatch import ResultTimeout, StreamedCalls, WorkerLost
+
+    @ray.remote(num_cpus=0)
+    class Parts:
+        def fetch_parts(self, n: int, last: Any) -> Any:
+            for i in range(n):
+                time.sleep(0.03)  # some parts come after a get's slice ran out
+                yield [i, i + 100]
+            if last == "exit":
+                os._exit(1)
+            yield last
+
+        def fetch(self, n: int, last: Any) -> Any:
+            return [x for i in range(n) for x in (i, i + 100)]
+
+    def reply(calls: StreamedCalls, ref: Any) -> Any:
+        while True:
+            try:
+                return calls.get(ref, 0.01)
+            except ResultTimeout:
+                continue
+
+    actor, calls = Parts.remote(), StreamedCalls("fetch_parts", whole="fetch")
+    want = [0, 100, 1, 101, 2, 102]
+    assert reply(calls, calls.submit(actor, "fetch_parts", 3, [])) == want
+    assert reply(calls, calls.submit(actor, "fetch_parts", 3, ["last"])) == [*want, "last"]
+    assert reply(calls, calls.submit(actor, "fetch_parts", 2, "failed")) == "failed"
+    calls.stream = False  # a plain call of the whole method, one return
+    assert reply(calls, calls.submit(actor, "fetch_parts", 3, [])) == want
+    calls.stream = True
+    ready = calls.wait([calls.submit(actor, "fetch_parts", 1, [])], timeout=10)
+    assert len(ready) == 1
+    with pytest.raises(WorkerLost):
+        reply(calls, calls.submit(actor, "fetch_parts", 1, "exit"))

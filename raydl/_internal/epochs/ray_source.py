@@ -31,6 +31,7 @@ from typing import Any
 from raydl._internal.epochs.board import stop_board
 from raydl._internal.epochs.direct import (
     MAP_HERE_BYTES,
+    PART_BYTES,
     WARM_UP,
     WINDOW_BYTES,
     DirectPlan,
@@ -413,6 +414,7 @@ class RaySource(RankEpochs):
             description=f"{names} on {{actors}} raydl actors ({len(files)} files)",
             name=f"raydl-epoch-{epoch}-direct",
             local=local,
+            part_bytes=PART_BYTES,
         )
 
     def _actors_for(

@@ -30,7 +30,9 @@ class DirectProducer(PoolProducer):
     sent, ``start_next`` is asked to start the next epoch (and asked again at each
     block while it answers ``False``: too soon). Fewer runs are in flight when
     loaded runs are large: at most ``window_bytes`` by the largest run so far
-    (``size_of`` a run's blocks). ``describe`` names a request in an error.
+    (``size_of`` a run's blocks). ``describe`` names a request in an error. A run's
+    reply is streamed in parts (:data:`RUN_METHOD`) unless every run so far fit in
+    ``part_bytes``: then it is asked for whole (one Ray object, not a stream).
 
     A run's blocks were loaded for this epoch alone, so they are *owned*
     (:func:`~raydl._internal.workers.convert.owned_blocks`): the batches cut from
@@ -65,9 +67,11 @@ class DirectProducer(PoolProducer):
         name: str,
         calls: Calls | None = None,
         local: Callable[[Any], list[Any]] | None = None,
+        part_bytes: int = 0,
     ) -> None:
         super().__init__(None)
-        self._calls = calls or StreamedCalls(RUN_METHOD)
+        self._calls = calls or StreamedCalls(RUN_METHOD, whole="fetch")
+        self._part_bytes = part_bytes
         self._actors = (
             actors if isinstance(actors, LateActors) else LateActors(actors, calls=self._calls)
         )
@@ -138,6 +142,8 @@ class DirectProducer(PoolProducer):
         """A loaded run's blocks, counted (the summary's blocks, the largest run so far)."""
         self.blocks += len(blocks)
         self._largest = max(self._largest, self._size_of(blocks))
+        if isinstance(self._calls, StreamedCalls):  # runs that fit in one part go whole
+            self._calls.stream = self._largest > self._part_bytes
         return blocks
 
     def _while_starting(self, runs: Iterator[Any]) -> Iterator[Any]:

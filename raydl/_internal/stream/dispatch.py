@@ -140,14 +140,21 @@ class StreamedCalls(RayCalls):
     failed reply) is the reply. The parts are Ray objects this process owns, as a
     call's return is: they outlive the actor that made it. The actor sends each
     part before it makes the next, so it holds one part at a time, not the reply.
+    While :attr:`stream` is false, ``method`` is called as ``whole`` instead, a plain
+    call whose one return is the reply: each Ray object costs milliseconds of CPU, and
+    a streaming call more than one, so replies known to fit in a part go whole.
     """
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, whole: str) -> None:
         self._method = method
+        self._whole = whole
+        self.stream = True
 
     def submit(self, actor: Any, method: str, *args: Any) -> Any:
         if method != self._method:
             return super().submit(actor, method, *args)
+        if not self.stream:
+            return super().submit(actor, self._whole, *args)
         return _Stream(getattr(actor, method).options(num_returns="streaming").remote(*args))
 
     def get(self, ref: Any, timeout: float) -> Any:
