@@ -13,19 +13,22 @@ image).
 
 So each actor raises both thresholds when it starts (``mallopt``): allocations up
 to :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` of
-free heap is kept for the next allocation rather than returned. A reply larger
-than that (a direct run of 250 decoded 224x224 images is 150 MB) would still be
+free heap is kept for the next allocation rather than returned. A direct run's
+reply larger than that (250 decoded 224x224 images are 150 MB) would still be
 given back to the kernel once sent, and faulted in again for the next one (49
-faults per image, a sixth of the actor's CPU in system time). So after each
-reply the actor raises the trim threshold to twice the memory it has in use
-(:func:`keep_working_set`; at most :data:`MAX_TRIM_THRESHOLD`): what one reply and
-its temporaries needed is kept for the next. Free memory kept never exceeds what
-the actor once had in use, so a direct run is sent in parts (``direct.RunLoader.parts``),
-each freed before the next is made: an actor's high-water mark is one part, not the run. The cost is that an actor's resident
-memory stays near its high-water mark between batches (docs/design.md, "What an
-actor's process does differently from a torch worker's"). It applies to raydl's
-actors only, never to the training process; there, :func:`release_freed_memory`
-only gives back what the trainer's stand-ins freed. ``RAYDL_KEEP_FREED_MEMORY=0``
+faults per image, a sixth of the actor's CPU in system time). So a direct run's
+reply is sent in parts (``direct.RunLoader.parts``), and before it sends each
+part the actor raises the trim threshold to twice the memory it has in use
+(:func:`keep_working_set`; the stage's temporaries are freed already; at most
+:data:`MAX_TRIM_THRESHOLD`): what one part and its temporaries needed is kept for
+the next, and free memory kept never exceeds what the actor once had in use. A
+map-style actor's batches stay under the initial threshold (a 64x3x224x224 float
+batch is 38 MB); raising it there bought nothing but memory (map-style decode
+peaks of 1.0-1.2 GB against 0.9). The cost is that an actor's resident memory
+stays near its high-water mark between batches (docs/design.md, "What an actor's
+process does differently from a torch worker's"). It applies to raydl's actors
+only, never to the training process; there, :func:`release_freed_memory` only
+gives back what the trainer's stand-ins freed. ``RAYDL_KEEP_FREED_MEMORY=0``
 leaves glibc's defaults; on other C libraries (musl, macOS) nothing changes.
 """
 
@@ -116,7 +119,7 @@ def keep_freed_memory() -> bool:
 
 
 def keep_working_set() -> int:
-    """Raise the trim threshold to twice the memory in use now (an actor, its reply made).
+    """Raise the trim threshold to twice the memory in use now (an actor, a direct run's part made).
 
     Called while the reply is alive, so the freed memory its successor will need
     is kept. Looks at most every :data:`_EVERY_S` seconds (a working set is set by
@@ -139,7 +142,7 @@ def keep_working_set() -> int:
         return _trim_threshold
     info = mallinfo2()
     in_use = info.uordblks + info.hblkhd  # the heaps' chunks in use, and mmap'd ones
-    # Twice: a stage's temporaries, freed before the reply is, are not in use now.
+    # Twice: the stage's temporaries, freed before the part is sent, are not in use now.
     wanted = min(MAX_TRIM_THRESHOLD, -(-2 * in_use // _STEP) * _STEP)
     mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
     if wanted > _trim_threshold and mallopt(_M_TRIM_THRESHOLD, wanted):

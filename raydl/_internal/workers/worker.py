@@ -314,9 +314,7 @@ class DatasetWorker:
             return RemoteError(
                 where=f"in Ray worker {self._id} while loading {describe_indices(indices)}"
             )
-        reply = _for_transport(data)
-        allocator.keep_working_set()  # what this reply needed is kept for the next one
-        return reply
+        return _for_transport(data)
 
     def fetch_parts(self, request: Any) -> Iterator[Any]:
         """The reply to ``request`` in parts, for a streaming call (``num_returns="streaming"``).
@@ -328,7 +326,8 @@ class DatasetWorker:
             yield self._init_error
             return
         for part in self._dataset.parts(request):
-            allocator.keep_working_set()  # what this part needed is kept for the next one
+            # What this part and its stage's temporaries (freed already) needed is kept.
+            allocator.keep_working_set()
             yield part
 
     def continue_from(self, rng: RngStates) -> None:
@@ -390,9 +389,7 @@ class DatasetWorker:
             return EXHAUSTED
         except Exception:
             return RemoteError(where=f"in Ray worker {self._id} while iterating the dataset")
-        reply = _for_transport(data)
-        allocator.keep_working_set()
-        return reply
+        return _for_transport(data)
 
 
 def load_batch(
