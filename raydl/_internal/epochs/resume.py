@@ -23,7 +23,8 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from raydl._internal.epochs import elastic
-from raydl._internal.epochs.direct import DirectPlan, LocalRuns
+from raydl._internal.epochs.direct import DirectPlan
+from raydl._internal.epochs.local_runs import LocalRuns
 from raydl._internal.epochs.shuffle import rank_seed
 from raydl._internal.epochs.state import LoaderState, decode_rng
 from raydl._internal.stream.batching import ray_batches
