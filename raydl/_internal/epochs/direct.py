@@ -402,7 +402,7 @@ class RunLoader:
         """A :class:`LoadRun`'s reply in parts, for a streaming call (``DatasetWorker.fetch_parts``).
 
         Each part is a list of the run's next blocks, of at least :data:`PART_BYTES`
-        (the last one: the rest); joined, they are :meth:`__getitem__`'s reply. A part
+        (the last one: the rest, if any); joined, they are :meth:`__getitem__`'s reply. A part
         is sent, and its memory freed here, before the next one is made, so an actor
         holds one part, not the run (a run of 250 decoded 224x224 images is 150 MB).
         A failure is the last part: the failed reply.
@@ -413,16 +413,19 @@ class RunLoader:
             yield work
             return
         part: list[dict[str, np.ndarray]] = []
+        size = 0
         try:
             for block in work.stream(task.paths):
                 part.append(block)
-                if loaded_bytes(part) >= PART_BYTES:
+                size += loaded_bytes([block])
+                if size >= PART_BYTES:
                     yield part
-                    part = []
+                    part, size = [], 0
         except Exception:
             yield failed_reply(task, RemoteError(where=_where(work, "on a raydl actor", task)))
             return
-        yield part  # the rest (an empty run: its one, empty, part)
+        if part:  # the rest; no empty part (each is a Ray object): no parts joins to []
+            yield part
 
 
 def failed_reply(task: Task, error: RemoteError) -> Any:
