@@ -34,6 +34,7 @@ report = {
     "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(),
     "marker": os.environ.get("MARKER"), "json_loaded": "json" in sys.modules,
     "shared": list(shared_by_parent()), "stdin": sys.stdin.readline().strip(),
+    "ppid": os.getppid(), "envmod": getattr(sys.modules.get("envmod"), "MARKER", None),
 }
 with open(os.environ["REPORT"], "w") as f:
     json.dump(report, f)
@@ -50,7 +51,7 @@ sys.exit(int(os.environ.get("EXIT", "0")))
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[forking.ForkServer]:
     """A fork server sharing ``json`` (this test's stand-in for torch)."""
-    started = forking.start({}, modules=["json"])
+    started = forking.start({}, modules=["json"], per_env=())
     yield started
     forking.stop()
 
@@ -165,7 +166,7 @@ def test_a_killed_launcher_takes_its_worker_and_a_killed_worker_its_launcher(
 def test_workers_end_with_their_server(tmp_path: Path) -> None:
     """The trainer gone (its end of the server's stdin closed): the server ends, and so
     does every worker it forked (as Ray's workers end with their raylet)."""
-    started = forking.start({}, modules=[])
+    started = forking.start({}, modules=[], per_env=())
     try:
         launcher = _launch(started, tmp_path, "--sleep")
         assert launcher.stdin is not None and launcher.stdout is not None
@@ -180,7 +181,7 @@ def test_workers_end_with_their_server(tmp_path: Path) -> None:
 
 
 def test_the_server_ends_with_its_stdin_and_removes_its_folder(tmp_path: Path) -> None:
-    started = forking.start({}, modules=[])
+    started = forking.start({}, modules=[], per_env=())
     _wait_for(lambda: os.path.exists(started.socket), 20)
     assert started.process.stdin is not None
     started.process.stdin.close()
@@ -191,7 +192,7 @@ def test_the_server_ends_with_its_stdin_and_removes_its_folder(tmp_path: Path) -
 def test_each_worker_draws_its_own_numpy_stream(tmp_path: Path) -> None:
     """numpy's global generator, created in the server, is reseeded from the OS in each
     child, as a fresh process seeds it."""
-    started = forking.start({}, modules=["numpy.random"])
+    started = forking.start({}, modules=["numpy.random"], per_env=())
     draws = []
     try:
         for _ in range(2):
@@ -210,7 +211,7 @@ def test_modules_shared_later_reach_the_workers_forked_after(
 ) -> None:
     """A loader built once the server runs has it import what its actors need."""
     monkeypatch.setattr(forking, "_wanted", [])  # this process's loaders' wishes stay as they are
-    started = forking.start({}, modules=[])
+    started = forking.start({}, modules=[], per_env=())
     try:
         launched = _launch(started, tmp_path)
         launched.communicate("", timeout=30)
@@ -225,6 +226,69 @@ def test_modules_shared_later_reach_the_workers_forked_after(
         assert _report(tmp_path)["shared"] == ["json"]
     finally:
         forking.stop()
+
+
+#: A module that reads the environment when imported, as Ray reads its worker's job.
+ENVMOD = "import os\nMARKER = os.environ.get('MARKER')\n"
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_per_environment_modules_are_imported_once_per_worker_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers of one environment (one job) fork from one environment server that
+    imported ``per_env`` under that environment; another environment gets its own."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "envmod.py").write_text(ENVMOD)
+    monkeypatch.setenv("PYTHONPATH", str(modules))  # the server's and the launchers'
+    monkeypatch.setattr(forking, "_wanted", [])
+    started = forking.start({}, modules=["json"], per_env=["envmod"])
+    seen = {}
+    try:
+        for name, marker in (("a1", "job-a"), ("b", "job-b"), ("a2", "job-a")):
+            launched = _launch(started, tmp_path, env={"MARKER": marker})
+            out, _ = launched.communicate("", timeout=30)
+            assert launched.returncode == 0 and out == "worker says hello\n"
+            seen[name] = _report(tmp_path)
+        assert [seen[n]["envmod"] for n in ("a1", "b", "a2")] == ["job-a", "job-b", "job-a"]
+        assert seen["a1"]["ppid"] == seen["a2"]["ppid"] != seen["b"]["ppid"]
+        for report in seen.values():
+            assert report["ppid"] != started.process.pid
+            assert _parent(report["ppid"]) == started.process.pid  # a child of the server
+            assert report["shared"] == ["json", "envmod"]
+
+        forking.share(["colorsys"])  # a loader built later: its environment servers import it
+        deadline = time.monotonic() + 20
+        while True:
+            launched = _launch(started, tmp_path, "--sleep", env={"MARKER": "job-a"})
+            assert launched.stdin is not None and launched.stdout is not None
+            launched.stdin.close()
+            assert launched.stdout.readline() == "worker says hello\n"
+            late = _report(tmp_path)
+            if "colorsys" in late["shared"] or time.monotonic() > deadline:
+                break
+            launched.kill()
+            launched.wait(timeout=10)
+        assert late["shared"] == ["json", "envmod", "colorsys"] and late["envmod"] == "job-a"
+        launched.kill()  # the raylet giving up on it: its environment server kills the worker
+        launched.wait(timeout=10)
+        _gone_within(late["pid"], 10)
+
+        launched = _launch(started, tmp_path, "--sleep", env={"MARKER": "job-b"})
+        assert launched.stdin is not None and launched.stdout is not None
+        launched.stdin.close()
+        assert launched.stdout.readline() == "worker says hello\n"
+        last = _report(tmp_path)
+    finally:
+        forking.stop()
+    for pid in (last["pid"], last["ppid"], seen["a1"]["ppid"]):  # they end with the server
+        _gone_within(pid, 10)
+    assert launched.wait(timeout=10) != 0
 
 
 def test_parse_splits_the_raylets_arguments_in_either_form() -> None:

@@ -12,16 +12,23 @@ place of ``setup_worker.py``); the child becomes an ordinary Ray worker by runni
 ``default_worker.py`` with the launcher's arguments, environment, working folder
 and standard streams. Its pages stay shared with this process until written.
 
-Standard library only, run by path (``python fork_server.py FD MODULE...``,
+Standard library only, run by path (``python fork_server.py FD MODULE... [--per-env
+MODULE...]``,
 started by ``runtime/forking.py`` before the raylet) in its own session, so a
 terminal's Ctrl-C does not reach it or the workers it forks.
 
 * It serves the listening Unix socket ``FD`` (in a private folder), bound by the
   trainer before this process started: a launcher that connects while it still
   imports waits in the backlog.
-* Ray itself is not imported here: Ray core reads some of its settings (the
-  worker's job) once per process, from the environment the raylet gives each
-  worker, so each child imports Ray after it took the launcher's environment.
+* Ray is imported once per worker environment, not here: Ray core reads some of
+  its settings (the worker's job, its raylet) once per process, when it is
+  imported, from the environment the raylet gives each worker. So the modules named
+  after ``--per-env`` are imported by an *environment server*: a child of this
+  process that took the environment of the first request carrying it, imported
+  them, and forks the workers of every later request with the same environment
+  (this server passes each one on, with its connection and streams). One per job
+  in practice; past ``MAX_ENV_SERVERS`` of them, a request's worker is forked here
+  and imports Ray itself.
 * One thread, no locks held at ``fork()``: requests, the children's exits
   (``SIGCHLD`` through a wake-up pipe) and the trainer's end (end of file on
   stdin) are served by one ``selectors`` loop.
@@ -67,6 +74,18 @@ BACKLOG = 128
 
 #: The largest request (arguments and environment), in bytes.
 MAX_REQUEST = 1 << 20
+
+#: What separates, on the command line, the modules shared by every worker from those
+#: imported once per worker environment (:data:`PER_ENV`).
+PER_ENV_FLAG = "--per-env"
+#: The modules an environment server imports (``--per-env``): Ray.
+PER_ENV: list[str] = []
+#: The thread settings an environment server keeps from this process's environment
+#: where the worker's has none (``runtime/forking.THREADS``).
+THREAD_VARS = ("OMP_NUM_THREADS",)
+#: The most environment servers at once (in practice one per job: under torchrun each
+#: rank's driver is a job of its own).
+MAX_ENV_SERVERS = 8
 
 
 def flags() -> list[str]:
@@ -158,13 +177,22 @@ def die_with(parent: int) -> None:
 
 
 class Server:
-    """The fork server's loop (:func:`serve`); one instance per process."""
+    """The fork server's loop (:func:`serve`); one instance per process.
 
-    def __init__(self, listener: socket.socket) -> None:
-        """Serve ``listener``."""
+    The server serves the listening socket (launchers' requests) and its stdin (the
+    trainer's module names); an environment server (:meth:`start_env_server`) serves
+    its inbox, a ``SOCK_SEQPACKET`` pair with the server: each message a request with
+    the launcher's connection and streams, or the modules to share.
+    """
+
+    def __init__(self, listener: socket.socket | None, inbox: socket.socket | None = None) -> None:
+        """Serve ``listener`` and stdin, or, in an environment server, ``inbox``."""
         self.listener = listener
+        self.inbox = inbox
         self.selector = selectors.DefaultSelector()
         self.children: dict[int, socket.socket] = {}
+        #: Environment servers by the environment they imported under: (pid, its inbox).
+        self.env_servers: dict[str, tuple[int, socket.socket]] = {}
         self.partial = b""  # the trainer's last line, until it ends
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
@@ -172,18 +200,24 @@ class Server:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select() through wake_w
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self.selector.register(listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "exits")
-        self.selector.register(sys.stdin, selectors.EVENT_READ, "trainer")
+        if inbox is not None:
+            self.selector.register(inbox, selectors.EVENT_READ, "inbox")
+        if listener is not None:
+            self.selector.register(listener, selectors.EVENT_READ, "accept")
+            self.selector.register(sys.stdin, selectors.EVENT_READ, "trainer")
 
     def serve(self) -> tuple[dict[str, Any], list[int]] | None:
         """Serve until the trainer's end (returns None), or, in a forked child, its request."""
         while True:
             for key, _ in self.selector.select():
+                child = None
                 if key.data == "accept":
                     child = self.accept()
-                    if child is not None:
-                        return child
+                elif key.data == "inbox":
+                    child, open_ = self.take_forwarded()
+                    if not open_:
+                        return None
                 elif key.data == "exits":
                     self.reap()
                 elif key.data == "trainer":
@@ -191,19 +225,27 @@ class Server:
                         return None
                 else:
                     self.launcher_gone(key.fileobj, key.data)  # type: ignore[arg-type]
+                if child is not None:
+                    return child
 
     def read_trainer(self) -> bool:
-        """Import the modules the trainer named (a name a line); False at its end of file."""
+        """Import the modules the trainer named (a name a line), here and in each
+        environment server; False at its end of file."""
         data = os.read(sys.stdin.fileno(), 4096)
         if not data:
             return False
-        *names, self.partial = (self.partial + data).split(b"\n")
-        share(name.decode() for name in names if name)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        names = [line.decode() for line in lines if line]
+        share(names)
+        for _, inbox in self.env_servers.values():
+            with contextlib.suppress(OSError):  # one that ended is reaped
+                inbox.send(json.dumps({"share": names}).encode())
         return True
 
     def accept(self) -> tuple[dict[str, Any], list[int]] | None:
-        """Take one request; fork its worker. The child's request in the child, else None."""
-        conn, _ = self.listener.accept()
+        """Take one request; fork its worker (here or in its environment's server). The
+        child's request in the child, else None."""
+        conn, _ = self.listener.accept()  # type: ignore[union-attr]
         conn.settimeout(REQUEST_TIMEOUT_S)  # a launcher killed mid-request must not hang the loop
         try:
             message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
@@ -212,32 +254,116 @@ class Server:
             conn.close()
             return None
         why = refusal(request) if len(fds) == 3 else "the launcher sent no streams"
-        if why is None:
-            server = os.getpid()
-            pid = os.fork()
-            if pid == 0:
-                die_with(server)
-                self.close_in_child(conn)
-                return request, fds
+        if why is not None:
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+            conn.close()
+            return None
+        if PER_ENV:
+            key = json.dumps(sorted(request["env"].items()))
+            if key not in self.env_servers and len(self.env_servers) < MAX_ENV_SERVERS:
+                child = self.start_env_server(key, request["env"], conn, fds)
+                if child is not None:  # in the environment server: its inbox's first request
+                    return child
+            if key in self.env_servers and self.forward(key, request, conn, fds):
+                return None
+        return self.fork_worker(request, conn, fds)
+
+    def fork_worker(
+        self, request: dict[str, Any], conn: socket.socket, fds: list[int]
+    ) -> tuple[dict[str, Any], list[int]] | None:
+        """Fork the worker of ``request``; in the child, return the request and streams."""
+        server = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            die_with(server)
+            self.close_in_child(conn)
+            return request, fds
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
-            conn.sendall(json.dumps({"refused": why} if why else {"pid": pid}).encode() + b"\n")
-        if why is not None:
-            conn.close()
-            return None
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.children[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, pid)
         return None
 
-    def close_in_child(self, conn: socket.socket) -> None:
-        """What the forked child must not keep: the server's sockets, pipes and handlers."""
+    def start_env_server(
+        self, key: str, env: dict[str, str], conn: socket.socket, fds: list[int]
+    ) -> tuple[dict[str, Any], list[int]] | None:
+        """Fork the server of the environment ``env``: it imports :data:`PER_ENV` under
+        it and serves what :meth:`forward` passes it, the request at hand (``conn``,
+        ``fds``) first. In that child this returns, in each worker it forks, the
+        worker's request (or ends the process with the server)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server = os.getpid()
+        pid = os.fork()
+        if pid != 0:
+            theirs.close()
+            self.env_servers[key] = (pid, mine)
+            return None
+        die_with(server)
+        mine.close()
+        self.close_in_child(conn)
+        for fd in fds:  # the server passes them on (:meth:`forward`)
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)  # not the trainer's pipe: the server reads it
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        # The worker's environment, with this server's thread settings where it has none:
+        # a package shared later (torch) is imported here too, and OpenMP takes them then.
+        threads = {name: os.environ[name] for name in THREAD_VARS if name in os.environ}
+        os.environ.clear()
+        os.environ.update({**threads, **env})
+        share(PER_ENV)
+        child = Server(None, inbox=theirs).serve()
+        if child is None:
+            os._exit(0)
+        return child
+
+    def forward(
+        self, key: str, request: dict[str, Any], conn: socket.socket, fds: list[int]
+    ) -> bool:
+        """Pass ``request``, its connection and streams to the environment server ``key``;
+        False (everything still here) if it is gone."""
+        _, inbox = self.env_servers[key]
+        try:
+            socket.send_fds(inbox, [json.dumps(request).encode()], [conn.fileno(), *fds])
+        except OSError:
+            return False
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return True
+
+    def take_forwarded(self) -> tuple[tuple[dict[str, Any], list[int]] | None, bool]:
+        """In an environment server: the next message of the inbox. Returns the child's
+        request in a forked child, and whether the inbox is still open."""
+        assert self.inbox is not None
+        try:
+            message, fds, _, _ = socket.recv_fds(self.inbox, MAX_REQUEST, 4)
+        except OSError:
+            return None, False
+        if not message:
+            return None, False
+        data = json.loads(message)
+        if "share" in data:
+            share(data["share"])
+            return None, True
+        conn = socket.socket(fileno=fds[0])
+        return self.fork_worker(data, conn, fds[1:]), True
+
+    def close_in_child(self, conn: socket.socket | None) -> None:
+        """What a forked child must not keep: the server's sockets, pipes and handlers."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.selector.close()
-        for other in (*self.children.values(), conn, self.listener):
-            other.close()
+        others = [*self.children.values(), *(inbox for _, inbox in self.env_servers.values())]
+        for other in (*others, conn, self.listener, self.inbox):
+            if other is not None:
+                other.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
 
@@ -255,6 +381,10 @@ class Server:
                 return
             if pid == 0:
                 return
+            for key, (env_pid, inbox) in list(self.env_servers.items()):
+                if env_pid == pid:  # its workers went with it (their parent-death signal)
+                    del self.env_servers[key]
+                    inbox.close()
             conn = self.children.pop(pid, None)
             if conn is not None:
                 self.selector.unregister(conn)
@@ -278,9 +408,15 @@ class Server:
 
 
 def main(fd: int, modules: list[str]) -> None:
-    """Import ``modules``, serve the listening socket ``fd``; in a forked child, run the worker."""
+    """Import ``modules``, serve the listening socket ``fd``; in a forked child, run the worker.
+
+    ``modules`` after :data:`PER_ENV_FLAG` are imported per worker environment.
+    """
     listener = socket.socket(fileno=fd)
     path = listener.getsockname()
+    if PER_ENV_FLAG in modules:
+        at = modules.index(PER_ENV_FLAG)
+        modules, PER_ENV[:] = modules[:at], modules[at + 1 :]
     share(modules)
     # Python 3.12+ warns at each fork() of a process with threads; this one's are numpy's
     # OpenBLAS pool and pyarrow's jemalloc background thread, which both handle fork().

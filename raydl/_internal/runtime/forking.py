@@ -32,6 +32,10 @@ from raydl._internal.runtime import fork_server, worker_launch
 
 __all__ = ["ForkServer", "share", "start", "stop"]
 
+#: What every worker imports under its own environment, imported once per environment:
+#: Ray (docs/design.md, "Forked workers").
+PER_ENV = ("ray",)
+
 _lock = threading.Lock()
 _wanted: list[str] = []  # what the loaders built so far want shared, in order
 _server: ForkServer | None = None  # the running one, if any
@@ -100,10 +104,16 @@ def share(modules: Sequence[str]) -> None:
             _server.ask_to_import(new)
 
 
-def start(env_updates: dict[str, str], modules: Sequence[str] | None = None) -> ForkServer:
+def start(
+    env_updates: dict[str, str],
+    modules: Sequence[str] | None = None,
+    per_env: Sequence[str] = PER_ENV,
+) -> ForkServer:
     """Start the fork server (ending one that runs) with this environment plus ``env_updates``.
 
-    It imports ``modules``, by default what :func:`share` was told so far. It returns
+    It imports ``modules``, by default what :func:`share` was told so far, and
+    ``per_env`` once per worker environment (in practice per job: Ray, which reads
+    the worker's job and raylet from its environment when imported). It returns
     at once, its socket listening (bound here, handed to the server), so a worker the
     raylet starts while the server still imports waits for it. The server runs in a
     session of its own, so a terminal's Ctrl-C reaches neither it nor the workers it
@@ -125,6 +135,7 @@ def start(env_updates: dict[str, str], modules: Sequence[str] | None = None) -> 
                 fork_server.__file__,
                 str(listener.fileno()),
                 *names,
+                *([fork_server.PER_ENV_FLAG, *per_env] if per_env else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,  # its stderr is the trainer's: it is quiet unless it fails
