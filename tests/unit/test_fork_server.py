@@ -279,16 +279,36 @@ def test_per_environment_modules_are_imported_once_per_worker_environment(
         launched.wait(timeout=10)
         _gone_within(late["pid"], 10)
 
-        launched = _launch(started, tmp_path, "--sleep", env={"MARKER": "job-b"})
-        assert launched.stdin is not None and launched.stdout is not None
-        launched.stdin.close()
-        assert launched.stdout.readline() == "worker says hello\n"
-        last = _report(tmp_path)
+        # Two live workers of a new environment: the first one's launcher killed (the
+        # connection its environment server got with its first request) takes only it.
+        pair = []
+        for _ in range(2):
+            launched = _launch(started, tmp_path, "--sleep", env={"MARKER": "job-c"})
+            assert launched.stdin is not None and launched.stdout is not None
+            launched.stdin.close()
+            assert launched.stdout.readline() == "worker says hello\n"
+            pair.append((launched, _report(tmp_path)))
+        assert pair[0][1]["ppid"] == pair[1][1]["ppid"]
+        pair[0][0].kill()
+        pair[0][0].wait(timeout=10)
+        _gone_within(pair[0][1]["pid"], 10)
+        os.kill(pair[1][1]["pid"], 0)  # its sibling still runs
+        launched, last = pair[1]
     finally:
         forking.stop()
     for pid in (last["pid"], last["ppid"], seen["a1"]["ppid"]):  # they end with the server
         _gone_within(pid, 10)
     assert launched.wait(timeout=10) != 0
+
+
+def test_a_long_request_is_read_whole(server: forking.ForkServer, tmp_path: Path) -> None:
+    """A launcher's environment of 100 KB arrives in pieces (a stream carrying descriptors
+    gives its first 36 KB or so to the first read): still forked, not Ray's path."""
+    launched = _launch(server, tmp_path, env={"BIG": "x" * 100_000})
+    out, _ = launched.communicate("", timeout=30)
+    assert launched.returncode == 0 and out == "worker says hello\n"
+    seen = _report(tmp_path)
+    assert seen["pid"] != launched.pid and seen["marker"] == "from-the-raylet"
 
 
 def test_parse_splits_the_raylets_arguments_in_either_form() -> None:

@@ -53,6 +53,7 @@ import selectors
 import signal
 import socket
 import sys
+import traceback
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -83,6 +84,10 @@ PER_ENV: list[str] = []
 #: The thread settings an environment server keeps from this process's environment
 #: where the worker's has none (``runtime/forking.THREADS``).
 THREAD_VARS = ("OMP_NUM_THREADS",)
+#: Bytes asked for an environment server's inbox (the kernel caps it at
+#: ``net.core.wmem_max``): requests (about 10 KB each, their environments) wait there
+#: while it imports; past that the server forks the worker itself.
+INBOX_BYTES = 4 << 20
 #: The most environment servers at once (in practice one per job: under torchrun each
 #: rank's driver is a job of its own).
 MAX_ENV_SERVERS = 8
@@ -99,7 +104,9 @@ def refusal(request: dict[str, Any]) -> str | None:
         return f"the worker runs {request.get('executable')}, this server {sys.executable}"
     if sorted(request.get("flags", [])) != sorted(flags()):
         return f"the worker runs with {request.get('flags')}, this server with {flags()}"
-    env = request.get("env", {})
+    env = request.get("env")
+    if not isinstance(env, dict) or not isinstance(request.get("argv"), list):
+        return "the request has no environment or arguments"
     for name in INTERPRETER_VARS:
         if env.get(name) != os.environ.get(name):
             return f"{name} differs"
@@ -238,8 +245,9 @@ class Server:
         names = [line.decode() for line in lines if line]
         share(names)
         for _, inbox in self.env_servers.values():
-            with contextlib.suppress(OSError):  # one that ended is reaped
-                inbox.send(json.dumps({"share": names}).encode())
+            with contextlib.suppress(OSError):  # one that ended is reaped; one that is full
+                # (busy importing) misses them: its workers import them themselves
+                inbox.send(json.dumps({"share": names}).encode(), socket.MSG_DONTWAIT)
         return True
 
     def accept(self) -> tuple[dict[str, Any], list[int]] | None:
@@ -247,10 +255,18 @@ class Server:
         child's request in the child, else None."""
         conn, _ = self.listener.accept()  # type: ignore[union-attr]
         conn.settimeout(REQUEST_TIMEOUT_S)  # a launcher killed mid-request must not hang the loop
+        fds: list[int] = []
         try:
             message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+            while not message.endswith(b"\n") and len(message) < MAX_REQUEST:
+                more = conn.recv(MAX_REQUEST)  # a stream: a long request comes in pieces
+                if not more:
+                    break
+                message += more
             request = json.loads(message)
         except (OSError, ValueError):
+            for fd in fds:
+                os.close(fd)
             conn.close()
             return None
         why = refusal(request) if len(fds) == 3 else "the launcher sent no streams"
@@ -297,6 +313,7 @@ class Server:
         ``fds``) first. In that child this returns, in each worker it forks, the
         worker's request (or ends the process with the server)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, INBOX_BYTES)
         server = os.getpid()
         pid = os.fork()
         if pid != 0:
@@ -317,7 +334,11 @@ class Server:
         os.environ.clear()
         os.environ.update({**threads, **env})
         share(PER_ENV)
-        child = Server(None, inbox=theirs).serve()
+        try:
+            child = Server(None, inbox=theirs).serve()
+        except BaseException:  # never unwind into the server's frames (and its exit)
+            traceback.print_exc()
+            os._exit(1)
         if child is None:
             os._exit(0)
         return child
@@ -326,10 +347,12 @@ class Server:
         self, key: str, request: dict[str, Any], conn: socket.socket, fds: list[int]
     ) -> bool:
         """Pass ``request``, its connection and streams to the environment server ``key``;
-        False (everything still here) if it is gone."""
+        False (everything still here) if it is gone or its inbox is full (never blocks:
+        this loop serves every environment)."""
         _, inbox = self.env_servers[key]
+        message = json.dumps(request).encode()
         try:
-            socket.send_fds(inbox, [json.dumps(request).encode()], [conn.fileno(), *fds])
+            socket.send_fds(inbox, [message], [conn.fileno(), *fds], socket.MSG_DONTWAIT)
         except OSError:
             return False
         for fd in fds:
@@ -351,7 +374,12 @@ class Server:
         if "share" in data:
             share(data["share"])
             return None, True
+        if len(fds) != 4:  # descriptors lost on the way (out of them): the launcher gets EOF
+            for fd in fds:
+                os.close(fd)
+            return None, True
         conn = socket.socket(fileno=fds[0])
+        conn.settimeout(REQUEST_TIMEOUT_S)  # as the server set it (its flags came along)
         return self.fork_worker(data, conn, fds[1:]), True
 
     def close_in_child(self, conn: socket.socket | None) -> None:

@@ -102,7 +102,7 @@ def ask(path: str, site: list[str], argv: list[str]) -> None:
             "executable": sys.executable,
             "flags": site,
         }
-        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         answer = json.loads(_line(conn) or b"{}")
     except (OSError, ValueError):
         return
