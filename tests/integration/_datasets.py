@@ -219,8 +219,8 @@ class PageFaults(Dataset[int]):
 
 
 class ForkReport(Dataset[dict[str, Any]]):
-    """Sample ``i``: this process's pid, whether it shares torch with a fork server, and
-    how many intra-op threads its torch runs."""
+    """Sample ``i``: this process's pid, whether it shares torch and Ray with a fork server,
+    and how many intra-op threads its torch runs."""
 
     def __len__(self) -> int:
         return 4
@@ -231,6 +231,7 @@ class ForkReport(Dataset[dict[str, Any]]):
         return {
             "pid": os.getpid(),
             "torch_shared": "torch" in shared_by_parent(),
+            "ray_shared": "ray" in shared_by_parent(),  # imported by its job's environment server
             "torch_threads": torch.get_num_threads(),
         }
 

@@ -158,9 +158,9 @@ def test_only_a_plan_ray_data_runs_has_an_embedded_instances_workers_import_it(
 
 @pytest.mark.timeout(120)
 def test_actors_are_forked_from_the_server_unless_they_need_their_own_environment() -> None:
-    """The embedded instance's actors share the fork server's torch (docs/design.md, "Forked
-    workers") and run its threads as a fresh process's; an actor with a ``runtime_env``
-    starts as Ray starts it, sharing nothing."""
+    """The embedded instance's actors share the fork server's torch and their environment
+    server's Ray (docs/design.md, "Forked workers") and run its threads as a fresh
+    process's; an actor with a ``runtime_env`` starts as Ray starts it, sharing nothing."""
     if not sys.platform.startswith("linux"):
         pytest.skip("the fork server runs on Linux")
     seen = {}
@@ -177,6 +177,11 @@ def test_actors_are_forked_from_the_server_unless_they_need_their_own_environmen
         loader.close()
     assert {s["torch_shared"] for s in seen["forked"]} == {True}, seen["forked"]
     assert {s["torch_shared"] for s in seen["own_env"]} == {False}, seen["own_env"]
+    # Ray too, imported once for the job by its environment server (docs/design.md, "Ray,
+    # once per job"), under the job's own environment: a worker forked with a Ray imported
+    # under another would have died in Ray core's check of its job.
+    assert {s["ray_shared"] for s in seen["forked"]} == {True}, seen["forked"]
+    assert {s["ray_shared"] for s in seen["own_env"]} == {False}, seen["own_env"]
     # One intra-op thread either way, as Ray gives an actor that asks for no CPUs (the
     # server imported torch before Ray could say so: with OpenMP's default, a thread per
     # core, two forked actors decoding JPEGs ran at a quarter of their speed on 2 cores).
