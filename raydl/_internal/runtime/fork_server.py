@@ -168,6 +168,12 @@ def become_worker(request: dict[str, Any], fds: list[int]) -> None:
         numpy_random.seed()
 
 
+def close_all(fds: Iterable[int]) -> None:
+    """Close descriptors this process received and does not keep."""
+    for fd in fds:
+        os.close(fd)
+
+
 def die_with(parent: int) -> None:
     """Have the kernel SIGKILL this process when ``parent`` (the server) ends.
 
@@ -265,14 +271,12 @@ class Server:
                 message += more
             request = json.loads(message)
         except (OSError, ValueError):
-            for fd in fds:
-                os.close(fd)
+            close_all(fds)
             conn.close()
             return None
         why = refusal(request) if len(fds) == 3 else "the launcher sent no streams"
         if why is not None:
-            for fd in fds:
-                os.close(fd)
+            close_all(fds)
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
             conn.close()
@@ -297,8 +301,7 @@ class Server:
             die_with(server)
             self.close_in_child(conn)
             return request, fds
-        for fd in fds:
-            os.close(fd)
+        close_all(fds)
         with contextlib.suppress(OSError):
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.children[pid] = conn
@@ -323,8 +326,7 @@ class Server:
         die_with(server)
         mine.close()
         self.close_in_child(conn)
-        for fd in fds:  # the server passes them on (:meth:`forward`)
-            os.close(fd)
+        close_all(fds)  # the server passes them on (:meth:`forward`)
         devnull = os.open(os.devnull, os.O_RDONLY)  # not the trainer's pipe: the server reads it
         os.dup2(devnull, 0)
         os.close(devnull)
@@ -355,8 +357,7 @@ class Server:
             socket.send_fds(inbox, [message], [conn.fileno(), *fds], socket.MSG_DONTWAIT)
         except OSError:
             return False
-        for fd in fds:
-            os.close(fd)
+        close_all(fds)
         conn.close()
         return True
 
@@ -375,8 +376,7 @@ class Server:
             share(data["share"])
             return None, True
         if len(fds) != 4:  # descriptors lost on the way (out of them): the launcher gets EOF
-            for fd in fds:
-                os.close(fd)
+            close_all(fds)
             return None, True
         conn = socket.socket(fileno=fds[0])
         conn.settimeout(REQUEST_TIMEOUT_S)  # as the server set it (its flags came along)
