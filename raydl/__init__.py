@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from raydl.sources import (
         CacheConfig,
         CacheStats,
+        FileDataset,
         RetryPolicy,
         label_from_path,
         read_binary_files,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "CacheConfig": "raydl.sources",
     "CacheStats": "raydl.sources",
+    "FileDataset": "raydl.sources",
     "LoaderOptions": "raydl.options",
     "LoaderTimeoutError": "raydl.errors",
     "PerEpoch": "raydl.pipelines",
@@ -67,6 +69,7 @@ _HOMES = {
 __all__ = [
     "CacheConfig",
     "CacheStats",
+    "FileDataset",
     "LoaderOptions",
     "LoaderTimeoutError",
     "PerEpoch",

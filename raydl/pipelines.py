@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import ray.data
 
+    from raydl._internal.io.file_dataset import FileDataset
+
 __all__ = ["PerEpoch"]
 
 
@@ -29,7 +31,8 @@ class PerEpoch:
     only under torchrun, and again for the same epoch when a run resumes.
 
     Attributes:
-        build: ``epoch -> ray.data.Dataset``; cheap to call (it builds a lazy plan).
+        build: ``epoch -> ray.data.Dataset`` (or the plan of a raydl reader, a
+            :class:`~raydl.FileDataset`); cheap to call (it builds a lazy plan).
 
     Example:
         >>> import raydl
@@ -42,7 +45,7 @@ class PerEpoch:
         >>> loader = raydl.RayDataLoader(pipeline, batch_size=1024, shuffle=True)  # doctest: +SKIP
     """
 
-    build: Callable[[int], ray.data.Dataset]
+    build: Callable[[int], FileDataset | ray.data.Dataset]
 
     def __post_init__(self) -> None:
         if not callable(self.build):
@@ -51,11 +54,15 @@ class PerEpoch:
                 f"got {type(self.build).__name__}"
             )
 
-    def dataset(self, epoch: int) -> ray.data.Dataset:
+    def dataset(self, epoch: int) -> FileDataset | ray.data.Dataset:
         """The epoch's plan; a clear error if ``build`` returned something else."""
-        from ray.data import Dataset
+        from raydl._internal.io.file_dataset import FileDataset
 
         dataset = self.build(epoch)
+        if isinstance(dataset, FileDataset):  # raydl's own plan of a raydl read
+            return dataset
+        from ray.data import Dataset
+
         if not isinstance(dataset, Dataset):
             raise TypeError(
                 f"PerEpoch's build({epoch}) should return a ray.data.Dataset, "

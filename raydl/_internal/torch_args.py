@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -56,8 +57,10 @@ def is_auto(value: Any, option: str) -> bool:
 
 
 def dataset_kind(obj: object) -> str:
-    """``"ray"`` for a ``ray.data.Dataset`` or :class:`PerEpoch`, else torch's two kinds."""
-    if isinstance(obj, PerEpoch):
+    """``"ray"`` for a ``ray.data.Dataset``, a raydl read's plan or :class:`PerEpoch`, else
+    torch's two kinds."""
+    plans = sys.modules.get("raydl._internal.io.file_dataset")  # imported if obj is one
+    if isinstance(obj, PerEpoch) or (plans is not None and isinstance(obj, plans.FileDataset)):
         return RAY
     if any(
         c.__module__.startswith("ray.data") and c.__name__ == "Dataset" for c in type(obj).__mro__

@@ -45,6 +45,7 @@ from raydl._internal.epochs.exchange import Exchange, Here, partition_count
 from raydl._internal.io.readers import RunReader
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
 from raydl._internal.ray_compat import batches, plans
+from raydl._internal.ray_compat.context import DEFAULT_RETRIED_IO_ERRORS
 from raydl._internal.ray_compat.errors import unpickling_cause
 from raydl._internal.stream.batching import row_count
 from raydl._internal.stream.dispatch import Calls, Dispatcher, LateActors, SplitCalls
@@ -116,7 +117,7 @@ class Stage:
 class DirectPlan:
     """A plan raydl runs on its own actors: a file read and its ``map_batches`` stages."""
 
-    source: Any  # a FileRunsDatasource, its files in the epoch's order
+    source: Any  # a raydl file source (io/files.py), its files in the epoch's order
     stages: tuple[Stage, ...]
     num_cpus: float  # per actor: what the read and the stages ask per task
     concurrency: int | None  # the stages' task cap (map_batches(concurrency=N)), if any
@@ -124,10 +125,12 @@ class DirectPlan:
     exchange: Exchange | None = None  # the epoch's global shuffle (exchange.py), if any
 
     def work(self, context: Any) -> EpochWork:
-        """What an actor needs for this plan's runs, under ``context`` (the epoch's ``DataContext``)."""
+        """What an actor needs for this plan's runs, under ``context`` (the epoch's
+        ``DataContext``; ``None``: Ray Data's defaults, for a plan made without it)."""
+        retried = DEFAULT_RETRIED_IO_ERRORS if context is None else context.retried_io_errors
         return EpochWork(
             self.source.run_reader(),
-            tuple(context.retried_io_errors or ()),
+            tuple(retried or ()),
             self.stages,
             batches.LazyContext(context),
             self.exchange,
@@ -143,16 +146,26 @@ class DirectPlan:
 
 
 def direct_plan(dataset: Any) -> DirectPlan | None:
-    """``dataset``'s plan as a :class:`DirectPlan`, or ``None`` if Ray Data must run it."""
-    from raydl._internal.io.files import FileRunsDatasource
+    """``dataset``'s plan as a :class:`DirectPlan`, or ``None`` if Ray Data must run it.
 
-    found = plans.read_then_map_batches(dataset)
+    raydl's own plan of a read (``io/file_dataset.py``) is read without Ray Data.
+    """
+    from raydl._internal.io.file_dataset import FileDataset
+    from raydl._internal.io.files import own_source
+
+    found = None
+    if isinstance(dataset, FileDataset):
+        found = dataset.plain_plan()
+        if found is None:  # a read option of Ray's: as its Ray Data plan says
+            dataset = dataset.to_ray()
+    if found is None:
+        found = plans.read_then_map_batches(dataset)
     if found is None:
         return None
     read, views = found
-    source = read.datasource
+    source = own_source(read.datasource)
     if (
-        not isinstance(source, FileRunsDatasource)
+        source is None
         or not _plain(read.ray_remote_args)
         or read.concurrency is not None  # read concurrency capped
         or any((size or 0) > MAX_FILE_BYTES for _, size in source.files)
@@ -207,9 +220,12 @@ def pool_size(plan: DirectPlan, cluster_cpus: float, context: Any) -> int:
 
     The cluster's CPUs, within the plan's ``execution_options`` (``resource_limits``,
     ``exclude_resources``), over the CPUs a task asks for, capped by ``concurrency``.
+    ``context=None`` (a plan made without Ray Data): Ray Data's defaults, no limits.
     """
-    options = context.execution_options
-    cpus = min(cluster_cpus, options.resource_limits.cpu) - options.exclude_resources.cpu
+    cpus = cluster_cpus
+    if context is not None:
+        options = context.execution_options
+        cpus = min(cpus, options.resource_limits.cpu) - options.exclude_resources.cpu
     size = max(1, int(cpus // plan.num_cpus))
     return min(size, plan.concurrency) if plan.concurrency else size
 

@@ -14,6 +14,13 @@ their own resources, filters). For each epoch raydl derives a new plan from it
   first read (``"blocks"`` must read everything before its first batch);
 * no shuffle: the plan as given.
 
+raydl's own plan of a raydl read (a :class:`~raydl._internal.io.file_dataset.FileDataset`)
+stays raydl's for no shuffle and ``"files"`` (its files permuted): the direct path
+runs it without Ray Data. Every other epoch of it (``"global"`` and ``"blocks"``,
+whose shuffles are Ray Data's stages, or ``ray_data=True``) is planned on its Ray Data
+plan (``FileDataset.to_ray``); the direct path's global shuffle plans the unshuffled
+epoch and adds raydl's own exchange.
+
 Every stage's Ray tasks are retried at most :data:`STAGE_RETRIES` times when
 their process dies (Ray Data's default is forever, so an input that kills its
 worker every time would hang the trainer); a stage that sets ``max_retries`` /
@@ -29,6 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from raydl._internal.epochs.shuffle import epoch_seed
+from raydl._internal.io.file_dataset import FileDataset
+from raydl._internal.io.files import own_source
 from raydl._internal.ray_compat import plans
 
 if TYPE_CHECKING:
@@ -48,14 +57,14 @@ _EXCHANGE_STREAM = 3
 class EpochPlan:
     """The dataset to execute for one epoch and the batching options that go with it."""
 
-    dataset: ray.data.Dataset
+    dataset: FileDataset | ray.data.Dataset  # raydl's own plan only on the direct path
     local_shuffle_buffer_size: int | None
     local_shuffle_seed: int | None
     all_to_all: bool  # the plan has a barrier stage: nothing comes out before its map phase
 
 
 def plan_epoch(
-    dataset: ray.data.Dataset,
+    dataset: FileDataset | ray.data.Dataset,
     *,
     shuffle: bool,
     shuffle_mode: str,
@@ -63,8 +72,23 @@ def plan_epoch(
     seed: int,
     epoch: int,
     deterministic: bool,
+    ray_data: bool = False,
 ) -> EpochPlan:
-    """Derive the epoch's Ray Data plan from the user's dataset (pure: nothing executes)."""
+    """Derive the epoch's plan from the user's dataset (pure: nothing executes).
+
+    ``ray_data``: a Ray Data plan even for raydl's own plan of a read (module docstring).
+    """
+    if isinstance(dataset, FileDataset):
+        if not ray_data and not (shuffle and shuffle_mode != "files"):
+            if not shuffle:
+                return EpochPlan(dataset, None, None, all_to_all=False)
+            return EpochPlan(
+                dataset.permuted(epoch_seed(seed, epoch, _BLOCK_ORDER_STREAM)),
+                local_shuffle_buffer_size,
+                epoch_seed(seed, epoch, _LOCAL_BUFFER_STREAM),
+                all_to_all=False,
+            )
+        dataset = dataset.to_ray()
     ds = plans.own_copy(dataset)  # own DataContext: the user's stays untouched
     ds.context.execution_options.preserve_order = deterministic
     # A stage's exception reaches the trainer with its own type, as torch's workers' do.
@@ -122,11 +146,7 @@ def fuse_reads(dataset: ray.data.Dataset) -> ray.data.Dataset:
     bundle). Stages Ray could not fuse with the read (other resources, a
     ``ray_remote_args_fn``) keep their bundling.
     """
-    from raydl._internal.io.files import FileRunsDatasource
-
-    return plans.unbundle_after_reads(
-        dataset, lambda source: isinstance(source, FileRunsDatasource)
-    )
+    return plans.unbundle_after_reads(dataset, lambda source: own_source(source) is not None)
 
 
 def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
@@ -152,8 +172,10 @@ def permute_reads(dataset: ray.data.Dataset, seed: int) -> ray.data.Dataset:
     return plans.permute_reads(dataset, seed)
 
 
-def stage_names(dataset: ray.data.Dataset) -> tuple[str, ...]:
+def stage_names(dataset: FileDataset | ray.data.Dataset) -> tuple[str, ...]:
     """The names of the plan's stages, sources first (``ReadParquet``, ``MapBatches(decode)``)."""
+    if isinstance(dataset, FileDataset):
+        return dataset.stage_names()
     return plans.stage_names(dataset)
 
 

@@ -74,7 +74,9 @@ class RankEpochs:
     if TYPE_CHECKING:  # RaySource's, used here
 
         def _plans(self, epoch: int, direct: bool) -> tuple[EpochPlan, DirectPlan | None]: ...
-        def _epoch_plan(self, epoch: int, *, shuffle: bool | None = None) -> EpochPlan: ...
+        def _epoch_plan(
+            self, epoch: int, *, shuffle: bool | None = None, ray_data: bool = False
+        ) -> EpochPlan: ...
         def _pool_for(self, direct: DirectPlan, plan: EpochPlan) -> WorkerPool: ...
         def _next_starter(self, epoch: int) -> Callable[[], bool] | None: ...
         def _map_phase(
@@ -196,7 +198,7 @@ class RankEpochs:
                     mode=mode,
                     generation=generation,
                 )
-            plan = self._epoch_plan(epoch)
+            plan = self._epoch_plan(epoch, ray_data=True)
             splits = plan.dataset.streaming_split(world.world_size, equal=True)
             return RankPlan(
                 epoch,

@@ -57,6 +57,7 @@ from raydl._internal.epochs.plan import (
 from raydl._internal.epochs.ray_ranks import RankEpochs, RaySettings
 from raydl._internal.epochs.record import EpochRecord, EpochStart
 from raydl._internal.epochs.state import LoaderState
+from raydl._internal.io.file_dataset import FileDataset
 from raydl._internal.ray_compat.datasets import known_row_count
 from raydl._internal.runtime import cluster
 from raydl._internal.runtime.startup import BackgroundStart, Warm, connect
@@ -81,7 +82,8 @@ class RaySource(RankEpochs):
     """The epochs of a ``ray.data.Dataset`` or :class:`~raydl.PerEpoch` plan."""
 
     def __init__(self, dataset: Any, settings: RaySettings, world: World) -> None:
-        cluster.quiet_ray_data()
+        if not isinstance(dataset, (FileDataset, PerEpoch)):  # else when it plans on Ray Data
+            cluster.quiet_ray_data()
         self._dataset = dataset
         self._settings = settings
         self._world = world
@@ -253,9 +255,12 @@ class RaySource(RankEpochs):
 
     # -- one rank -----------------------------------------------------------------------
 
-    def _epoch_plan(self, epoch: int, *, shuffle: bool | None = None) -> EpochPlan:
+    def _epoch_plan(
+        self, epoch: int, *, shuffle: bool | None = None, ray_data: bool = False
+    ) -> EpochPlan:
+        """The epoch's plan (``ray_data``: Ray Data's, also for raydl's own plan of a read)."""
         settings, options = self._settings, self._settings.options
-        return plan_epoch(
+        plan = plan_epoch(
             self.dataset(epoch),
             shuffle=settings.shuffle if shuffle is None else shuffle,
             shuffle_mode=options.shuffle_mode,
@@ -264,7 +269,11 @@ class RaySource(RankEpochs):
             seed=settings.seed,
             epoch=epoch,
             deterministic=options.deterministic,
+            ray_data=ray_data,
         )
+        if not isinstance(plan.dataset, FileDataset):
+            cluster.quiet_ray_data()  # once it runs Ray Data's plans (idempotent)
+        return plan
 
     def _plans(self, epoch: int, direct: bool) -> tuple[EpochPlan, DirectPlan | None]:
         """The epoch's plan, and its direct form when ``direct`` and raydl's actors can run it.
@@ -280,7 +289,10 @@ class RaySource(RankEpochs):
             if simple is not None:
                 return plain, simple.shuffled(exchange_seed(settings.seed, epoch))
         plan = self._epoch_plan(epoch)
-        return plan, direct_plan(plan.dataset) if direct else None
+        simple = direct_plan(plan.dataset) if direct else None
+        if simple is None and isinstance(plan.dataset, FileDataset):
+            plan = self._epoch_plan(epoch, ray_data=True)  # Ray Data runs it
+        return plan, simple
 
     def _single_rank(self, epoch: int, skip: int, direct: bool | None = None) -> EpochStart:
         """Epoch ``epoch`` on one rank; it starts the next epoch early when allowed.

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import ray.data
 
+    from raydl._internal.io.file_dataset import FileDataset
+
 
 def sampler_spec(sampler: Any, batch_sampler: Any) -> dict[str, Any]:
     """How to rebuild an epoch's index order elsewhere, or ``{"sampler": "other"}``."""
@@ -114,7 +116,7 @@ def map_style_share(
 
 
 def ray_shares(
-    plan_dataset: ray.data.Dataset,
+    plan_dataset: FileDataset | ray.data.Dataset,  # raydl's own plan only with ``direct``
     state: LoaderState,
     world: int,
     *,

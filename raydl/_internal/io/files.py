@@ -14,6 +14,11 @@ direct execution's too); ``shuffle_mode="files"`` asks
 :meth:`FileRunsDatasource.permuted` for a copy whose files are in a seeded random
 order *before* they are cut into tasks, so the order is per file, as torch's
 file-level shuffles are.
+
+These sources import no Ray Data: a raydl read is planned and, on the direct path,
+run without it (``io/file_dataset.py``). Ray Data reads one through the adapter
+:func:`as_ray_datasource` (``ray_compat/reads.py``), which it builds only when a plan
+must run on Ray Data.
 """
 
 from __future__ import annotations
@@ -24,15 +29,14 @@ from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import pyarrow as pa
-from ray.data.block import BlockMetadata
-from ray.data.datasource import Datasource, ReadTask
 
 from raydl._internal.io.readers import BinaryRuns, RunReader
 from raydl._internal.io.runs import RUN_BYTES, cut_runs
-from raydl._internal.ray_compat import reads
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import ReadTask
 
 #: Files per read task, at most (a task is also a block and a unit of retry).
 FILES_PER_TASK = 4096
@@ -44,11 +48,14 @@ READ_DATASOURCE_OPTIONS = frozenset(
 )
 
 
-class FileRunsDatasource(Datasource):
+class FileRunsDatasource:
     """Already listed ``files`` cut into contiguous runs, one read task (and retry unit) per run.
 
-    Subclasses say how a run is read (:meth:`_reader`) and what it holds
-    (:meth:`_run_metadata`); :meth:`permuted` reorders the files before they are cut.
+    Subclasses say how a run is read (:meth:`run_reader`), what it is called
+    (:meth:`get_name`) and how many rows a run holds (:meth:`run_rows`);
+    :meth:`permuted` reorders the files before they are cut. Ray Data's side of a
+    datasource (:meth:`get_read_tasks`, :meth:`estimate_inmemory_data_size`) imports
+    Ray Data when it is called; Ray Data calls it through :func:`as_ray_datasource`.
     """
 
     #: Files per read task, at most.
@@ -57,8 +64,19 @@ class FileRunsDatasource(Datasource):
     max_bytes_per_task: int | None = TASK_BYTES
 
     def __init__(self, files: Sequence[tuple[str, int | None]]) -> None:
-        super().__init__()
         self._files = list(files)
+
+    def get_name(self) -> str:
+        """The source's name (Ray's read stage is ``Read`` + this)."""
+        raise NotImplementedError
+
+    def run_rows(self, part: Sequence[tuple[str, int | None]]) -> int:
+        """The rows a run of these files holds (what its read task's metadata says)."""
+        raise NotImplementedError
+
+    def row_count(self) -> int:
+        """The rows of all the files (a plan without stages knows it before it runs)."""
+        return self.run_rows(self._files)
 
     def estimate_inmemory_data_size(self) -> int | None:
         sizes = [size for _, size in self._files]
@@ -77,6 +95,10 @@ class FileRunsDatasource(Datasource):
         return self._files
 
     def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[ReadTask]:
+        from ray.data.datasource import ReadTask
+
+        from raydl._internal.ray_compat import reads
+
         reads.before_read_tasks()  # an execution may begin while raydl's start runs
         # As few tasks as Ray's parallelism allows: each task costs a scheduling round
         # trip (tens of ms here), so 5,000 small images in ten tasks of 500 ran at
@@ -101,7 +123,30 @@ class FileRunsDatasource(Datasource):
         return _TaskRead(self.run_reader(), paths)
 
     def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
-        raise NotImplementedError
+        from ray.data.block import BlockMetadata
+
+        sizes = [size for _, size in part]
+        return BlockMetadata(
+            num_rows=self.run_rows(part),
+            size_bytes=None if None in sizes else sum(s or 0 for s in sizes),
+            input_files=tuple(path for path, _ in part),
+            exec_stats=None,
+        )
+
+
+def as_ray_datasource(source: FileRunsDatasource) -> Any:
+    """``source`` as a Ray Data ``Datasource`` (imports Ray Data; ``ray_compat/reads.py``)."""
+    from raydl._internal.ray_compat import reads
+
+    return reads.RayFileRuns(source)
+
+
+def own_source(datasource: Any) -> FileRunsDatasource | None:
+    """The raydl file source behind a Ray ``Read``'s datasource, or ``None`` for any other."""
+    if isinstance(datasource, FileRunsDatasource):
+        return datasource
+    inner = getattr(datasource, "raydl_source", None)
+    return inner if isinstance(inner, FileRunsDatasource) else None
 
 
 class FileListDatasource(FileRunsDatasource):
@@ -128,14 +173,8 @@ class FileListDatasource(FileRunsDatasource):
             self._filesystem, include_paths=self._include_paths, skip=self._on_bad_file == "skip"
         )
 
-    def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
-        sizes = [size for _, size in part]
-        return BlockMetadata(
-            num_rows=len(part),
-            size_bytes=None if None in sizes else sum(s or 0 for s in sizes),
-            input_files=tuple(path for path, _ in part),
-            exec_stats=None,
-        )
+    def run_rows(self, part: Sequence[tuple[str, int | None]]) -> int:
+        return len(part)
 
 
 class _TaskRead:

@@ -10,8 +10,9 @@
 * **One schema.** :func:`unify_schemas` widens the files' schemas into one, so a
   column that only later files have is not dropped.
 * **The reader.** :func:`read_dataset` builds the plan with raydl's own source
-  (:class:`ParquetFilesDatasource`) where the options allow, else with Ray's V1
-  parquet reader over the good files.
+  (:class:`ParquetFilesDatasource`, in raydl's own plan, a
+  :class:`~raydl._internal.io.file_dataset.FileDataset`) where the options allow,
+  else with Ray's V1 parquet reader over the good files (a ``ray.data.Dataset``).
 
 Why a source of its own: Ray Data's V1 parquet reader, given one task per file,
 spends about as long between two tasks (the scheduler sees one finish, the
@@ -35,9 +36,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-from ray.data.block import BlockMetadata
 
 from raydl._internal.io import skips
+from raydl._internal.io.file_dataset import FileDataset
 from raydl._internal.io.files import READ_DATASOURCE_OPTIONS, FileRunsDatasource
 from raydl._internal.io.fs import LISTING_THREADS, without_cache
 from raydl._internal.io.readers import ParquetRuns
@@ -254,11 +255,12 @@ def read_dataset(
     include_paths: bool,
     options: Mapping[str, Any],
     cpus: int,
-) -> ray.data.Dataset:
+) -> FileDataset | ray.data.Dataset:
     """The plan that reads the listed parquet ``files`` (what ``raydl.read_parquet`` returns).
 
     raydl's own source (several files per read task, cut after the epoch's file
-    order) where ``options`` are all :data:`OWN_READER_OPTIONS`; else Ray's V1
+    order) in raydl's own plan, built without Ray Data, where ``options`` are all
+    :data:`OWN_READER_OPTIONS`; else Ray's V1
     parquet reader, one read task per file and at least one per CPU unless
     ``override_num_blocks`` says otherwise, with one schema for all files unless
     ``schema`` is given (Ray's reader is built with its V1 parquet reader, see
@@ -281,10 +283,6 @@ def read_dataset(
             the message names it), or no file is left (``"skip"``).
         RemoteReadError: The remote failed for longer than the retry budget.
     """
-    import ray.data
-
-    from raydl._internal.ray_compat import reads
-
     options = dict(options)
     footer_fs = without_cache(filesystem)
     if on_bad_file == "raise":
@@ -301,7 +299,11 @@ def read_dataset(
             paths, footers, filesystem, schema=schema, columns=columns, include_paths=include_paths
         )
         options.setdefault("override_num_blocks", read_tasks_for(footers, cpus))
-        return reads.read_datasource(source, cpus=cpus, **options)  # Ray may still be starting
+        return FileDataset(source, read_options=options, cpus=cpus)
+    import ray.data
+
+    from raydl._internal.ray_compat import reads
+
     options.setdefault("override_num_blocks", max(len(paths), cpus))
     if options.get("schema") is None and len(paths) > 1:
         options["schema"] = unify_schemas(paths, [f.schema for f in footers])
@@ -362,10 +364,5 @@ class ParquetFilesDatasource(FileRunsDatasource):
     def run_reader(self) -> ParquetRuns:
         return ParquetRuns(self._filesystem, self._schema, self._include_paths)
 
-    def _run_metadata(self, part: list[tuple[str, int | None]]) -> BlockMetadata:
-        return BlockMetadata(
-            num_rows=sum(self._rows[path] for path, _ in part),
-            size_bytes=sum(size or 0 for _, size in part),
-            input_files=tuple(path for path, _ in part),
-            exec_stats=None,
-        )
+    def run_rows(self, part: Sequence[tuple[str, int | None]]) -> int:
+        return sum(self._rows[path] for path, _ in part)

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 
 from raydl._internal.io import skips
@@ -93,9 +94,9 @@ class BinaryRuns:
                 kept.append(path)
         finally:
             flush_cache(self._filesystem)  # the run's cache counters, once
-        columns: dict[str, Any] = {"bytes": pa.array(datas, type=pa.binary())}
+        columns: dict[str, Any] = {"bytes": packed(datas, pa.binary())}
         if self._include_paths:
-            columns["path"] = pa.array(kept, type=pa.string())
+            columns["path"] = packed([path.encode() for path in kept], pa.string())
         yield pa.table(columns)
 
 
@@ -161,8 +162,28 @@ def conform(table: pa.Table, schema: pa.Schema, path: str | None) -> pa.Table:
             columns.append(pa.nulls(table.num_rows, field.type))
     out = pa.Table.from_arrays(columns, schema=schema)
     if path is not None:
-        out = out.append_column("path", pa.array([path] * out.num_rows, type=pa.string()))
+        out = out.append_column("path", packed([path.encode()] * out.num_rows, pa.string()))
     return out
+
+
+#: The most bytes an Arrow ``binary``/``string`` array holds (32-bit offsets).
+_MAX_PACKED = (1 << 31) - 1
+
+
+def packed(values: Sequence[bytes], type: pa.DataType) -> pa.Array:
+    """``values`` (UTF-8 for ``pa.string()``) as one Arrow ``binary`` or ``string`` array.
+
+    Built from its two buffers: ``pa.array`` of a list imports pandas (to check
+    for its objects), 41 MB of a training process that loads runs itself. Over
+    2 GB in all: ``pa.array``'s chunked array.
+    """
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > _MAX_PACKED:
+        return pa.array(values, type=type)
+    buffers = [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(values))]
+    return pa.Array.from_buffers(type, len(values), buffers)
 
 
 def decode_threads() -> bool:

@@ -54,6 +54,7 @@ class LazyContext:
     """
 
     def __init__(self, context: Any) -> None:
+        """Carry ``context`` (``None``: none; a load keeps the process's current one)."""
         import ray.cloudpickle
 
         self._pickled = ray.cloudpickle.dumps(context)
@@ -89,12 +90,19 @@ class RayData:
             self.use()
 
     def use(self) -> None:
-        """Import Ray Data and make the context current, once."""
+        """Import Ray Data and make the context current, once (a carried ``None``: the
+        process's current context stays)."""
         if self._entered or self._context is None:
+            return
+        context = self._context.get()
+        if context is None:  # Ray Data's defaults: made here without Ray's state API
+            from raydl._internal.ray_compat import context as data_context
+
+            data_context.get_current()
             return
         from ray.data import DataContext
 
-        self._previous = DataContext._set_current(self._context.get())
+        self._previous = DataContext._set_current(context)
         self._entered = True
 
     def close(self) -> None:
@@ -150,8 +158,27 @@ def _arrow_to_numpy(table: pa.Table) -> dict[str, np.ndarray] | None:
             column = column.combine_chunks()
         elif column.num_chunks == 0:
             column = pa.array([], type=column.type)
-        out[name] = column.to_numpy(zero_copy_only=False)
+        out[name] = _objects(column) if _bytes_like(column.type) else column.to_numpy(False)
     return out
+
+
+def _bytes_like(type: pa.DataType) -> bool:
+    """Binary and string columns, which become numpy arrays of Python objects."""
+    return bool(
+        pa.types.is_binary(type)
+        or pa.types.is_large_binary(type)
+        or pa.types.is_string(type)
+        or pa.types.is_large_string(type)
+    )
+
+
+def _objects(column: pa.ChunkedArray) -> np.ndarray:
+    """A binary or string column as ``to_numpy(zero_copy_only=False)`` gives it (objects,
+    ``None`` for a null), without the pandas that call imports (41 MB of a training
+    process that loads runs itself)."""
+    values = np.empty(len(column), dtype=object)
+    values[:] = column.to_pylist()
+    return values
 
 
 def _kind(block: Any) -> Any:

@@ -23,7 +23,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["IssueDetectorsOnUse", "check", "get_current"]
+__all__ = ["DEFAULT_RETRIED_IO_ERRORS", "IssueDetectorsOnUse", "check", "get_current"]
+
+#: ``DataContext().retried_io_errors``: what a plan made without Ray Data retries
+#: (``io/file_dataset.py``; :func:`check` compares it with Ray's).
+DEFAULT_RETRIED_IO_ERRORS = (
+    "AWS Error INTERNAL_FAILURE",
+    "AWS Error NETWORK_CONNECTION",
+    "AWS Error SLOW_DOWN",
+    "AWS Error UNKNOWN (HTTP status 503)",
+    "AWS Error SERVICE_UNAVAILABLE",
+)
 
 #: Orders the builds of every stand-in and the writes they record (a lock cannot be
 #: copied or pickled with one).
@@ -169,3 +179,6 @@ def check() -> None:
     for name, value in later._hash_shuffle._written.items():
         if getattr(hash_shuffle, name) != value:
             raise AttributeError(f"hash_shuffle_detector_config has no field {name!r}")
+    retried = tuple(DataContext(issue_detectors_config=stand_in).retried_io_errors)
+    if retried != DEFAULT_RETRIED_IO_ERRORS:
+        raise ValueError(f"Ray Data's default retried_io_errors are now {retried}")

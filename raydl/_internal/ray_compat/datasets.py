@@ -15,8 +15,13 @@ from typing import Any
 def known_row_count(dataset: Any) -> int | None:
     """``dataset``'s rows if its plan knows them without executing, else ``None``.
 
-    Needs no Ray (a raydl read's plan may be inspected while Ray starts).
+    Needs no Ray (a raydl read's plan may be inspected while Ray starts); raydl's own
+    plan (``io/file_dataset.py``) answers without Ray Data.
     """
+    from raydl._internal.io.file_dataset import FileDataset
+
+    if isinstance(dataset, FileDataset):
+        return dataset.known_row_count()
     from raydl._internal.ray_compat import reads
 
     with reads.without_ray():

@@ -31,6 +31,7 @@ from ray.data._internal.datasource.image_datasource import (
     ImageDatasource,
     ImageFileMetadataProvider,
 )
+from ray.data.datasource import Datasource
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -42,6 +43,7 @@ __all__ = [
     "BinaryDatasource",
     "ImageDatasource",
     "ImageFileMetadataProvider",
+    "RayFileRuns",
     "WholeFileGuard",
     "before_read_tasks",
     "check",
@@ -53,6 +55,35 @@ __all__ = [
 
 #: The file extensions ``ray.data.read_images`` reads by default.
 IMAGE_EXTENSIONS: list[str] = list(ImageDatasource._FILE_EXTENSIONS)
+
+
+class RayFileRuns(Datasource):
+    """One of raydl's file sources (``io/files.py``, no Ray Data in it) as Ray Data's ``Datasource``.
+
+    Ray Data plans and runs it as any datasource; raydl finds its source again
+    (:attr:`raydl_source`, ``io.files.own_source``) to run the plan on its own actors
+    or to reorder its files.
+    """
+
+    def __init__(self, source: Any) -> None:
+        super().__init__()
+        self.raydl_source = source
+
+    def get_name(self) -> str:
+        name: str = self.raydl_source.get_name()
+        return name
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        size: int | None = self.raydl_source.estimate_inmemory_data_size()
+        return size
+
+    def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[Any]:
+        tasks: list[Any] = self.raydl_source.get_read_tasks(parallelism)
+        return tasks
+
+    def permuted(self, seed: int) -> RayFileRuns:
+        """The same files in an order drawn from ``seed`` (``shuffle_mode="files"``)."""
+        return RayFileRuns(self.raydl_source.permuted(seed))
 
 
 class _Unreadable:
@@ -193,6 +224,9 @@ def read_datasource(datasource: Any, *, cpus: int, **options: Any) -> Any:
     import ray
     import ray.data
 
+    from raydl._internal.ray_compat import context as data_context
+
+    data_context.get_current()  # made first here, without Ray's state API (context.py)
     if ray.is_initialized():
         return ray.data.read_datasource(datasource, **options)
     return plan_read(datasource, cpus=cpus, **options)

@@ -122,14 +122,21 @@ def ensure_ray_for_reads() -> None:
     says so). An embedded instance started for reads preloads nothing in its workers:
     a raydl read's plan usually runs on raydl's actors, which import no Ray Data.
     """
-    from raydl._internal.ray_compat import context as data_context
-
-    data_context.get_current()  # made first here, without Ray's state API (ray_compat.context)
+    _data_context_first()
     world = World.detect()
     if world.is_distributed and starts_without_collectives(None, world):
         ensure_ray(world=world)
     else:
         ensure_ray()
+
+
+def _data_context_first() -> None:
+    """Make Ray Data's context here, without Ray's state API (``ray_compat.context``), if
+    this process imported Ray Data: a raydl read's own plan does not (``io/file_dataset.py``)."""
+    if "ray.data" in sys.modules:
+        from raydl._internal.ray_compat import context as data_context
+
+        data_context.get_current()
 
 
 def begin_ray_for_reads() -> bool:
@@ -154,10 +161,8 @@ def begin_ray_for_reads() -> bool:
         ensure_ray_for_reads()
         return False
     from raydl._internal.ray_compat import cluster as ray_core
-    from raydl._internal.ray_compat import context as data_context
 
-    data_context.get_current()  # made first here, without Ray's state API (ray_compat.context)
-
+    _data_context_first()
     wait_for_starts_at_exit()
     with _lock:
         if is_connected():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 import time
 from typing import Any
@@ -114,8 +115,35 @@ def keep_freed_memory() -> bool:
         return False
     if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD):
         _trim_threshold = TRIM_THRESHOLD
+        arrow_from_heap()
         return True
     return False
+
+
+#: Arrow's variable naming its default memory pool (``system``, ``jemalloc``, ``mimalloc``).
+ARROW_POOL_VAR = "ARROW_DEFAULT_MEMORY_POOL"
+
+
+def arrow_from_heap() -> str | None:
+    """Have Arrow allocate from glibc's heap, under the thresholds set here (an actor).
+
+    pyarrow's own allocator (mimalloc in its wheels) keeps what Arrow frees for
+    Arrow alone, in a 1 GB reservation of its own, beside the heap that already keeps
+    freed memory for the next batch: at the peak of the benchmark's small images
+    each actor held 9 MB there (44 MB of private memory in all against 35 with
+    the system pool; docs/design.md, "The floor"). A variable the process was
+    given (``ARROW_DEFAULT_MEMORY_POOL``, the user's choice) is left alone.
+
+    Returns:
+        The pool asked for, or ``None`` when the variable was set already.
+    """
+    if ARROW_POOL_VAR in os.environ:
+        return None
+    os.environ[ARROW_POOL_VAR] = "system"  # read when Arrow makes its default pool
+    pyarrow = sys.modules.get("pyarrow")  # imported (e.g. shared by the fork server)
+    if pyarrow is not None:
+        pyarrow.set_memory_pool(pyarrow.system_memory_pool())
+    return "system"
 
 
 def keep_working_set() -> int:
