@@ -350,7 +350,9 @@ def test_binary_files_are_read_many_per_task_and_shuffled_per_file(
     # the epoch plan fuses the read into a stage with a batch size, one read task per
     # task (Ray would bundle 64 read tasks, each counted as one row, into one task)
     staged = ds.map_batches(lambda b: b, batch_size=64)
-    epoch_plan = raydl.RayDataLoader(staged, batch_size=64)._source._epoch_plan(0).dataset
+    source = raydl.RayDataLoader(staged, batch_size=64)._source
+    assert isinstance(source._epoch_plan(0).dataset, raydl.FileDataset)  # the direct path's
+    epoch_plan = source._epoch_plan(0, ray_data=True).dataset  # Ray Data's, where it runs it
     assert sum(len(b["path"]) for b in epoch_plan.iter_batches(batch_size=None)) == count
     executed = re.search(
         r"ReadBinaryFiles->MapBatches\(<lambda>\): (\d+) tasks executed", epoch_plan.stats()
@@ -446,7 +448,7 @@ def test_a_plan_built_without_ray_is_rays_own(tmp_path: Path, blocks: int | None
     ``ray.data.read_datasource`` gives: the same read tasks and rows, blocks given or not."""
     import ray.data
 
-    from raydl._internal.io.files import FileListDatasource
+    from raydl._internal.io.files import FileListDatasource, as_ray_datasource
     from raydl._internal.ray_compat import reads
     from raydl._internal.runtime import cluster
 
@@ -459,8 +461,9 @@ def test_a_plan_built_without_ray_is_rays_own(tmp_path: Path, blocks: int | None
         files, pafs.LocalFileSystem(), include_paths=True, on_bad_file="raise"
     )
     options = {} if blocks is None else {"override_num_blocks": blocks}
-    ours = reads.plan_read(source, cpus=cluster.cpus(), **options)
-    rays = ray.data.read_datasource(source, **options)
+    datasource = as_ray_datasource(source)
+    ours = reads.plan_read(datasource, cpus=cluster.cpus(), **options)
+    rays = ray.data.read_datasource(datasource, **options)
     assert ours._logical_plan.dag.num_outputs == rays._logical_plan.dag.num_outputs
     assert ours._logical_plan.dag.parallelism == rays._logical_plan.dag.parallelism
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from raydl._internal.io.files import FileRunsDatasource
+from raydl._internal.ray_compat.context import DEFAULT_SCHEDULING_STRATEGY
 from raydl._internal.ray_compat.plans import MapBatchesView, ReadView
 
 if TYPE_CHECKING:
@@ -128,10 +129,12 @@ class FileDataset:
         read option makes the read Ray's (the direct path then asks Ray's plan)."""
         if not set(self._read_options) <= PLAIN_READ_OPTIONS:
             return None
+        context = self.context
+        strategy = DEFAULT_SCHEDULING_STRATEGY if context is None else context.scheduling_strategy
         read = ReadView(
             name=f"Read{self._source.get_name()}",
             datasource=self._source,
-            ray_remote_args={},
+            ray_remote_args={"scheduling_strategy": strategy},  # as Ray's read_datasource
             concurrency=None,
         )
         return read, [_view(fn, kwargs) for fn, kwargs in self._stages]

@@ -23,7 +23,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["DEFAULT_RETRIED_IO_ERRORS", "IssueDetectorsOnUse", "check", "get_current"]
+__all__ = [
+    "DEFAULT_RETRIED_IO_ERRORS",
+    "DEFAULT_SCHEDULING_STRATEGY",
+    "IssueDetectorsOnUse",
+    "check",
+    "get_current",
+]
+
+#: ``DataContext().scheduling_strategy``: the scheduling of a read's tasks (Ray's
+#: ``read_datasource`` puts it in the read's remote arguments; :func:`check` compares).
+DEFAULT_SCHEDULING_STRATEGY = "SPREAD"
 
 #: ``DataContext().retried_io_errors``: what a plan made without Ray Data retries
 #: (``io/file_dataset.py``; :func:`check` compares it with Ray's).
@@ -179,6 +189,8 @@ def check() -> None:
     for name, value in later._hash_shuffle._written.items():
         if getattr(hash_shuffle, name) != value:
             raise AttributeError(f"hash_shuffle_detector_config has no field {name!r}")
-    retried = tuple(DataContext(issue_detectors_config=stand_in).retried_io_errors)
-    if retried != DEFAULT_RETRIED_IO_ERRORS:
-        raise ValueError(f"Ray Data's default retried_io_errors are now {retried}")
+    default = DataContext(issue_detectors_config=stand_in)
+    if tuple(default.retried_io_errors) != DEFAULT_RETRIED_IO_ERRORS:
+        raise ValueError(f"Ray Data's default retried_io_errors are {default.retried_io_errors}")
+    if default.scheduling_strategy != DEFAULT_SCHEDULING_STRATEGY:
+        raise ValueError(f"Ray Data's default scheduling is {default.scheduling_strategy!r}")
