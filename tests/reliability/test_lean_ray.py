@@ -181,6 +181,30 @@ summary = str(direct.stats()["epochs"][-1]["ray_data"])
 print(json.dumps({"map_style": map_style, "arrow": arrow, "summary": summary}))
 """
 
+RAYDL_READ = """
+import json, os, sys, tempfile
+import numpy as np, torch, raydl
+
+folder = tempfile.mkdtemp()
+for i in range(64):
+    with open(os.path.join(folder, f"{i:03d}.bin"), "wb") as f:
+        f.write(i.to_bytes(2, "little") * 8)
+
+def decode(batch):  # a last-mile stage: bytes in, numeric columns out
+    return {"id": np.array([int.from_bytes(b[:2], "little") for b in batch["bytes"]])}
+
+ds = raydl.read_binary_files(folder).map_batches(decode, batch_size=16)
+loader = raydl.RayDataLoader(ds, batch_size=8, shuffle=True, shuffle_mode="files", seed=3)
+epochs = []
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    epochs.append([int(i) for batch in loader for i in batch["id"]])
+state = loader.state_dict()
+print(json.dumps({"epochs": epochs, "type": type(ds).__name__,
+                  "imported": [m for m in ("ray.data", "pandas") if m in sys.modules],
+                  "summary": str(loader.stats()["epochs"][-1]["ray_data"])}))
+"""
+
 #: What torchrun sets in a rank's environment (one rank).
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
@@ -281,3 +305,17 @@ def test_actors_import_pydantic_and_pyarrow_only_when_their_work_does() -> None:
     assert seen["map_style"] == [""], seen  # no batch saw pyarrow or pydantic imported
     assert "raydl actor" in seen["summary"], seen["summary"]  # ran on raydl's actors
     assert seen["arrow"] == [True], seen
+
+
+@pytest.mark.timeout(360)
+def test_the_trainer_of_a_raydl_read_imports_neither_ray_data_nor_pandas() -> None:
+    """raydl's readers return raydl's own plan (a ``FileDataset``), which its loader runs on
+    raydl's actors without Ray Data: the training process never imports it, nor pandas
+    (about 55 MB; docs/design.md, "raydl's own plan of a read"), also while its first runs
+    load in the trainer as the actors start."""
+    (seen,) = _programs({}, script=RAYDL_READ)
+    assert seen["type"] == "FileDataset"
+    assert all(sorted(epoch) == list(range(64)) for epoch in seen["epochs"]), seen
+    assert seen["epochs"][0] != seen["epochs"][1]  # a new order each epoch
+    assert "raydl actor" in seen["summary"], seen["summary"]  # ran on raydl's actors
+    assert seen["imported"] == [], seen["imported"]

@@ -228,3 +228,38 @@ heavy = [m for m in ("ray.data", "pandas") if m in sys.modules]
 assert not heavy, heavy
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_a_parquet_read_and_an_arrow_stage_import_neither_ray_data_nor_pandas(
+    tmp_path: Path,
+) -> None:
+    # The tabular shape: parquet rows through a pyarrow stage, loaded in the trainer.
+    for i in range(3):
+        pq.write_table(pa.table({"x": np.arange(10 * i, 10 * i + 10)}), tmp_path / f"{i}.parquet")
+    code = f"""
+import os, sys
+import pyarrow.fs as pafs
+from raydl._internal.epochs.direct import direct_plan
+from raydl._internal.epochs.plan import plan_epoch
+from raydl._internal.io.parquet import read_dataset
+
+def firsts(table):  # each file's first rows (Python values in pyarrow calls import pandas)
+    return table.slice(0, 5)
+
+paths = sorted(os.path.join("{tmp_path}", name) for name in os.listdir("{tmp_path}"))
+files = [(path, os.path.getsize(path)) for path in paths]
+dataset = read_dataset(pafs.LocalFileSystem(), files, on_bad_file="raise", columns=None,
+                       include_paths=True, options={{}}, cpus=2)
+dataset = dataset.map_batches(firsts, batch_format="pyarrow")
+plan = plan_epoch(dataset, shuffle=False, shuffle_mode="files", local_shuffle_buffer_size=None,
+                  seed=0, epoch=0, deterministic=True)
+direct = direct_plan(plan.dataset)
+rows = direct.work(None).load([path for path, _ in direct.source.files], own_context=False)
+expected = [x for start in (0, 10, 20) for x in range(start, start + 5)]
+assert sorted(int(x) for batch in rows for x in batch["x"]) == expected, rows
+assert all(batch["path"].dtype == object for batch in rows)
+heavy = [m for m in ("ray.data", "pandas") if m in sys.modules]
+assert not heavy, heavy
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)

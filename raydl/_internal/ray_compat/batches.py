@@ -158,27 +158,40 @@ def _arrow_to_numpy(table: pa.Table) -> dict[str, np.ndarray] | None:
             column = column.combine_chunks()
         elif column.num_chunks == 0:
             column = pa.array([], type=column.type)
-        out[name] = _objects(column) if _bytes_like(column.type) else column.to_numpy(False)
+        converted = _without_pandas(column)
+        out[name] = column.to_numpy(zero_copy_only=False) if converted is None else converted
     return out
 
 
-def _bytes_like(type: pa.DataType) -> bool:
-    """Binary and string columns, which become numpy arrays of Python objects."""
-    return bool(
+def _without_pandas(column: pa.ChunkedArray | pa.Array) -> np.ndarray | None:
+    """``column.to_numpy(zero_copy_only=False)`` for binary and string columns and for one
+    chunk of integers or floats without nulls, made without the pandas that call imports
+    (pyarrow converts through its pandas code: 41 MB of a training process that loads runs
+    itself); ``None`` for any other column. Binary and string values become Python
+    objects (``None`` for a null); numbers a read-only view of the chunk's buffer."""
+    type = column.type
+    if (
         pa.types.is_binary(type)
         or pa.types.is_large_binary(type)
         or pa.types.is_string(type)
         or pa.types.is_large_string(type)
-    )
-
-
-def _objects(column: pa.ChunkedArray) -> np.ndarray:
-    """A binary or string column as ``to_numpy(zero_copy_only=False)`` gives it (objects,
-    ``None`` for a null), without the pandas that call imports (41 MB of a training
-    process that loads runs itself)."""
-    values = np.empty(len(column), dtype=object)
-    values[:] = column.to_pylist()
-    return values
+    ):
+        values = np.empty(len(column), dtype=object)
+        values[:] = column.to_pylist()
+        return values
+    if not (pa.types.is_integer(type) or pa.types.is_floating(type)):
+        return None
+    chunk = column if isinstance(column, pa.Array) else column.chunk(0)  # one chunk here
+    if chunk.null_count:
+        return None  # integers with nulls become floats
+    kind = "f" if pa.types.is_floating(type) else "i" if pa.types.is_signed_integer(type) else "u"
+    dtype = np.dtype(f"{kind}{type.bit_width // 8}")
+    data = chunk.buffers()[1]
+    if data is None:
+        return None
+    view = np.frombuffer(data, dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
+    view.flags.writeable = False  # as pyarrow's zero-copy view
+    return view
 
 
 def _kind(block: Any) -> Any:
