@@ -65,7 +65,8 @@ class PerEpoch:
 
         if not isinstance(dataset, Dataset):
             raise TypeError(
-                f"PerEpoch's build({epoch}) should return a ray.data.Dataset, "
+                f"PerEpoch's build({epoch}) should return a ray.data.Dataset or a raydl "
+                "reader's plan (raydl.FileDataset), "
                 f"got {type(dataset).__name__}"
             )
         return dataset

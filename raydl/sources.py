@@ -57,7 +57,7 @@ import pyarrow.fs as pafs
 from fsspec.utils import get_protocol
 
 from raydl._internal.io.cache import CacheConfig, CacheStats, DiskCache, as_cache_config
-from raydl._internal.io.file_dataset import FileDataset
+from raydl._internal.io.file_dataset import FileDataset, plan_of
 from raydl._internal.io.fs import (
     LISTING_OPTIONS,
     RemoteHandler,
@@ -457,7 +457,7 @@ def read_binary_files(
         else:
             cluster.begin_ray_for_reads()  # the plan is built while Ray starts
         source = FileListDatasource(files, fs, include_paths=include_paths, on_bad_file=policy)
-        return FileDataset(source, read_options=ray_options, cpus=cluster.read_cpus())
+        return plan_of(source, ray_options, cluster.read_cpus())
     import ray.data
 
     from raydl._internal.io import skipping

@@ -8,6 +8,7 @@ defaults the freed heap top is given back each round and faulted in again.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -92,3 +93,38 @@ def test_a_reply_larger_than_the_trim_threshold_keeps_its_memory_for_the_next() 
     assert runs["do_not_look"][0] > 4 * pages // 2, runs  # given back and faulted in each round
     assert runs["look"][0] < pages, runs
     assert runs["look"][1] >= BIG_ARRAYS << 20 and runs["do_not_look"][1] == 64 << 20, runs
+
+
+ARROW = """
+import json, os, sys
+if sys.argv[1] == "imported":
+    import pyarrow  # as a worker forked from the server has it
+from raydl._internal.workers import allocator
+applied = allocator.keep_freed_memory()
+import pyarrow as pa
+table = pa.table({"x": pa.array(range(1000))})
+print(json.dumps([applied, pa.default_memory_pool().backend_name,
+                  os.environ.get("ARROW_DEFAULT_MEMORY_POOL")]))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pyarrow_first", ["imported", "later"])
+def test_arrow_allocates_from_the_kept_heap_unless_the_process_was_told_otherwise(
+    pyarrow_first: str,
+) -> None:
+    def run(**env: str) -> list[object]:
+        out = subprocess.run(
+            [sys.executable, "-c", ARROW, pyarrow_first],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=50,
+            env={k: v for k, v in {**os.environ, **env}.items() if v},
+        )
+        result: list[object] = json.loads(out.stdout.splitlines()[-1])
+        return result
+
+    assert run(ARROW_DEFAULT_MEMORY_POOL="") == [True, "system", "system"]
+    assert run(ARROW_DEFAULT_MEMORY_POOL="mimalloc") == [True, "mimalloc", "mimalloc"]
+    assert run(ARROW_DEFAULT_MEMORY_POOL="", RAYDL_KEEP_FREED_MEMORY="0")[1] != "system"

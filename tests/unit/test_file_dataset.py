@@ -21,9 +21,10 @@ import pytest
 
 from raydl._internal.epochs.direct import direct_plan
 from raydl._internal.epochs.plan import plan_epoch, stage_names
-from raydl._internal.io.file_dataset import FileDataset
+from raydl._internal.io.file_dataset import FileDataset, plan_of
 from raydl._internal.io.files import FileListDatasource, own_source
 from raydl._internal.io.parquet import read_dataset
+from raydl._internal.io.readers import packed
 from raydl._internal.ray_compat import plans
 from raydl._internal.ray_compat.datasets import known_row_count
 
@@ -158,6 +159,44 @@ def test_every_other_attribute_is_the_ray_plans_built_once(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(60)
+def test_its_context_is_the_ray_plans_and_reaches_the_direct_epochs(tmp_path: Path) -> None:
+    dataset = _binary(tmp_path).map_batches(double)
+    assert not hasattr(dataset, "_repr_mimebundle_") and dataset._ray is None  # not built
+    options: dict[str, Any] = {
+        "shuffle": False,
+        "shuffle_mode": "files",
+        "local_shuffle_buffer_size": None,
+        "seed": 0,
+        "epoch": 0,
+        "deterministic": True,
+    }
+    dataset.context.retried_io_errors = ["a flaky store"]  # as on a ray.data.Dataset
+    assert dataset.context is dataset.to_ray().context
+    plan = plan_epoch(dataset, **options)
+    direct = direct_plan(plan.dataset)
+    assert isinstance(plan.dataset, FileDataset) and direct is not None
+    assert direct.work(plan.context).retried == ("a flaky store",)
+
+
+@pytest.mark.timeout(60)
+def test_read_options_it_does_not_take_make_ray_datas_plan_at_once(tmp_path: Path) -> None:
+    import ray.data
+
+    source = _binary(tmp_path).source
+    assert isinstance(plan_of(source, {"override_num_blocks": 2}, 2), FileDataset)
+    ray_plan = plan_of(source, {"num_cpus": 0.5}, 2)
+    assert isinstance(ray_plan, ray.data.Dataset)
+    assert own_source(plans.read_then_map_batches(ray_plan)[0].datasource) is source  # type: ignore[index]
+    with pytest.raises(ValueError, match="override_num_blocks should be a positive int, got 'x'"):
+        plan_of(source, {"override_num_blocks": "x"}, 2)
+
+
+def test_an_empty_run_packs_into_empty_columns() -> None:
+    assert packed([], pa.binary()).to_pylist() == []
+    assert packed([b"", b"ab"], pa.string()).to_pylist() == ["", "ab"]
+
+
+@pytest.mark.timeout(60)
 def test_rows_are_known_as_ray_data_knows_them(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     (tmp_path / "p").mkdir()
@@ -206,7 +245,7 @@ import numpy as np
 import pyarrow.fs as pafs
 from raydl._internal.epochs.direct import direct_plan, EpochWork
 from raydl._internal.epochs.plan import plan_epoch
-from raydl._internal.io.file_dataset import FileDataset
+from raydl._internal.io.file_dataset import FileDataset, plan_of
 from raydl._internal.io.files import FileListDatasource
 from raydl._internal.ray_compat.datasets import known_row_count
 
@@ -220,8 +259,10 @@ dataset = FileDataset(source, read_options={{}}, cpus=2).map_batches(total, batc
 plan = plan_epoch(dataset, shuffle=True, shuffle_mode="files", local_shuffle_buffer_size=8,
                   seed=1, epoch=0, deterministic=False)
 direct = direct_plan(plan.dataset)
-assert known_row_count(dataset) is None and plan.dataset.context is None
-work = direct.work(plan.dataset.context)
+from raydl._internal.ray_compat.context import DEFAULT_RETRIED_IO_ERRORS
+assert known_row_count(dataset) is None and plan.context is None
+work = direct.work(plan.context)
+assert work.retried == DEFAULT_RETRIED_IO_ERRORS  # Ray Data's defaults, without it
 rows = work.load([path for path, _ in direct.source.files], own_context=False)
 assert sorted(int(s) for batch in rows for s in batch["sum"]) == [0, 3, 6, 9], rows
 heavy = [m for m in ("ray.data", "pandas") if m in sys.modules]
@@ -243,6 +284,7 @@ import pyarrow.fs as pafs
 from raydl._internal.epochs.direct import direct_plan
 from raydl._internal.epochs.plan import plan_epoch
 from raydl._internal.io.parquet import read_dataset
+from raydl._internal.io.readers import packed
 
 def firsts(table):  # each file's first rows (Python values in pyarrow calls import pandas)
     return table.slice(0, 5)

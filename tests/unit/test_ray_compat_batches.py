@@ -38,6 +38,11 @@ def _tables() -> list[pa.Table]:
         {
             "i": ints,
             "f": pa.array(np.linspace(0, 1, 7), type=pa.float32()),
+            "n": pa.array(np.arange(7, dtype=np.int64)),  # no null: a view of its buffer
+            "u": pa.array(np.arange(7, dtype=np.uint16)),
+            "h": pa.array(np.linspace(0, 1, 7).astype(np.float16)),
+            "ls": pa.array([str(i) * i for i in range(7)], type=pa.large_string()),
+            "lb": pa.array([None] + [bytes([i]) for i in range(6)], type=pa.large_binary()),
             "b": pa.array([True, False] * 3 + [True]),
             "s": pa.array(["a", "b", None, "d", "e", "f", "g"]),
             "bytes": pa.array([bytes([i]) * i for i in range(7)], type=pa.binary()),

@@ -33,7 +33,7 @@ With ``deterministic=True`` the epoch plan runs with Ray Data's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raydl._internal.epochs.shuffle import epoch_seed
 from raydl._internal.io.file_dataset import FileDataset
@@ -61,6 +61,19 @@ class EpochPlan:
     local_shuffle_buffer_size: int | None
     local_shuffle_seed: int | None
     all_to_all: bool  # the plan has a barrier stage: nothing comes out before its map phase
+
+    @property
+    def context(self) -> Any:
+        """The epoch's ``DataContext`` (:func:`plan_context`)."""
+        return plan_context(self.dataset)
+
+
+def plan_context(dataset: FileDataset | ray.data.Dataset) -> Any:
+    """The ``DataContext`` a plan runs under; ``None`` (Ray Data's defaults) for raydl's own
+    plan in a process without Ray Data (``FileDataset.data_context``)."""
+    if isinstance(dataset, FileDataset):
+        return dataset.data_context()
+    return dataset.context
 
 
 def plan_epoch(

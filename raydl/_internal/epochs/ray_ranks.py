@@ -284,7 +284,7 @@ class RankEpochs:
             pool = self._pool_for(direct, plan)
             producer = deal_ranks.rank_zero(
                 self._board, epoch, world.world_size, pool=pool, direct=direct,
-                work=ray.put(direct.work(plan.dataset.context)), cut_for=cut_for,
+                work=ray.put(direct.work(plan.context)), cut_for=cut_for,
                 settings=(plan.local_shuffle_buffer_size, plan.local_shuffle_seed),
                 window=settings.prefetch * len(pool),
                 description=f"{' -> '.join(direct.names)} on {len(pool)} raydl actors",
@@ -317,7 +317,7 @@ class RankEpochs:
                 raise RuntimeError(f"epoch {epoch} is not a global shuffle on raydl's actors")
             try:
                 pool = self._pool_for(direct, plan)
-                work = [ray.put(direct.work(plan.dataset.context))]  # unresolved on the actors
+                work = [ray.put(direct.work(plan.context))]  # unresolved on the actors
                 actors = LateActors(Actors(pool, lambda task: (work, task)))
                 run_phase = self._map_phase(actors, direct)
             except Exception as err:  # the other ranks wait on the board for this map phase

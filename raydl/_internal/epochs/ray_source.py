@@ -23,6 +23,7 @@ epoch only if it is the one the next ``iter()`` will run and no resume is armed
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -82,7 +83,9 @@ class RaySource(RankEpochs):
     """The epochs of a ``ray.data.Dataset`` or :class:`~raydl.PerEpoch` plan."""
 
     def __init__(self, dataset: Any, settings: RaySettings, world: World) -> None:
-        if not isinstance(dataset, (FileDataset, PerEpoch)):  # else when it plans on Ray Data
+        # Ray Data's bars and banners off, unless nothing here needs Ray Data yet (raydl's
+        # own plan of a read, a PerEpoch in a process without Ray Data): then once it does.
+        if not isinstance(dataset, (FileDataset, PerEpoch)) or "ray.data" in sys.modules:
             cluster.quiet_ray_data()
         self._dataset = dataset
         self._settings = settings
@@ -183,6 +186,8 @@ class RaySource(RankEpochs):
             built = self._built
             if built is None or built[0] != epoch:
                 built = self._built = (epoch, self._dataset.dataset(epoch))
+                if not isinstance(built[1], FileDataset):
+                    cluster.quiet_ray_data()
             return built[1]
 
     def length(self, epoch: int) -> int:
@@ -393,7 +398,7 @@ class RaySource(RankEpochs):
 
         settings = self._settings
         files = direct.source.files
-        here = direct.work(plan.dataset.context)
+        here = direct.work(plan.context)
         names = " -> ".join(direct.names)
         # While Ray and the pool's actors start, runs load here (the same batches).
         local = functools.partial(load_here, here) if settings.options.start_in_process else None
@@ -557,6 +562,6 @@ class RaySource(RankEpochs):
         if self._direct_pool is None:
             # Sized once: an epoch started early shares it with the current one, so it is
             # never replaced while the loader lives (close() drops it).
-            self._direct_pool = start_pool(direct, plan.dataset.context, self._settings.seed)
+            self._direct_pool = start_pool(direct, plan.context, self._settings.seed)
         pool = self._direct_pool
         return pool

@@ -25,6 +25,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Se
 from raydl._internal.epochs import elastic
 from raydl._internal.epochs.direct import DirectPlan
 from raydl._internal.epochs.local_runs import LocalRuns
+from raydl._internal.epochs.plan import plan_context
 from raydl._internal.epochs.shuffle import rank_seed
 from raydl._internal.epochs.state import LoaderState, decode_rng
 from raydl._internal.stream.batching import ray_batches
@@ -140,7 +141,7 @@ def ray_shares(
         # The epoch ran on raydl's actors: its runs are loaded again here, and with
         # several ranks cut into what each rank had (its share of a global shuffle,
         # or the rows dealt to it, ``deal.py``).
-        local = LocalRuns(direct, plan_dataset.context)
+        local = LocalRuns(direct, plan_context(plan_dataset))
         if old_world == 1:
             streams = [local]
         elif direct.exchange is not None:

@@ -18,7 +18,7 @@ Ray Data's plan with the stage added, as Ray Data's own ``map_batches`` would.
 
 The stage views (:meth:`FileDataset.plain_plan`) are what Ray Data's ``map_batches``
 would have put in its plan for the same call (``MapBatches`` fields after Ray's
-defaults); ``tests/integration/test_file_dataset.py`` checks them against Ray's.
+defaults); ``tests/unit/test_file_dataset.py`` checks them against Ray's.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from raydl._internal.ray_compat.plans import MapBatchesView, ReadView
 if TYPE_CHECKING:
     import ray.data
 
-__all__ = ["FileDataset"]
+__all__ = ["FileDataset", "plan_of"]
 
 #: The ``map_batches`` arguments a recorded stage may have; any other hands the call to Ray.
 RECORDED_ARGS = frozenset(
@@ -75,13 +75,30 @@ class FileDataset:
         read_options: Mapping[str, Any],
         cpus: int,
         stages: tuple[tuple[Callable[..., Any], dict[str, Any]], ...] = (),
+        origin: FileDataset | None = None,
     ) -> None:
-        """A plan of ``source``'s read (``read_options`` of ``ray.data.read_datasource``;
-        ``cpus``: the cluster's, for Ray's read tasks) and the recorded ``stages``."""
+        """A plan of ``source``'s read (``read_options``: :data:`PLAIN_READ_OPTIONS`;
+        ``cpus``: the cluster's, for Ray's read tasks) and the recorded ``stages``;
+        ``origin``: the plan it was derived from (its Ray Data plan and context come first).
+
+        Raises:
+            ValueError: A read option raydl's plan does not take (the readers give such a
+                read to Ray Data at once), or ``override_num_blocks`` is not a positive int.
+        """
+        unknown = set(read_options) - PLAIN_READ_OPTIONS
+        if unknown:
+            raise ValueError(f"FileDataset takes no read options {sorted(unknown)}")
+        blocks = read_options.get("override_num_blocks")
+        if blocks is not None and (type(blocks) is not int or blocks < 1):
+            raise ValueError(
+                f"override_num_blocks should be a positive int, got {blocks!r}; "
+                "leave it out to let Ray choose"
+            )
         self._source = source
         self._read_options = dict(read_options)
         self._cpus = cpus
         self._stages = stages
+        self._origin = origin
         self._ray: Any = None  # the Ray Data plan, once built
         self._lock = threading.Lock()
 
@@ -92,12 +109,23 @@ class FileDataset:
         """The files and how a run of them is read (``io/files.py``)."""
         return self._source
 
-    @property
-    def context(self) -> Any:
-        """Ray Data's current ``DataContext`` where this process imported Ray Data (its
-        settings apply to the epochs), else ``None``: Ray Data's defaults."""
-        data = sys.modules.get("ray.data")
-        return None if data is None else data.DataContext.get_current()
+    def data_context(self) -> Any:
+        """The ``DataContext`` this plan's epochs run under, without importing Ray Data.
+
+        The Ray Data plan's own (``ds.context``, a copy a user may have changed) once it is
+        built, here or in the plan this one derives from; else the process's current one
+        where Ray Data is imported (made without Ray's state API, ``ray_compat.context``);
+        else ``None``: Ray Data's defaults.
+        """
+        if self._ray is not None:
+            return self._ray.context
+        if self._origin is not None:
+            return self._origin.data_context()
+        if "ray.data" not in sys.modules:
+            return None
+        from raydl._internal.ray_compat import context as data_context
+
+        return data_context.get_current()
 
     def map_batches(self, fn: Any, **kwargs: Any) -> FileDataset | ray.data.Dataset:
         """The plan with ``fn`` applied to batches, as ``ray.data.Dataset.map_batches``.
@@ -113,6 +141,7 @@ class FileDataset:
             read_options=self._read_options,
             cpus=self._cpus,
             stages=(*self._stages, (fn, dict(kwargs))),
+            origin=self,
         )
 
     def permuted(self, seed: int) -> FileDataset:
@@ -122,14 +151,12 @@ class FileDataset:
             read_options=self._read_options,
             cpus=self._cpus,
             stages=self._stages,
+            origin=self,
         )
 
-    def plain_plan(self) -> tuple[ReadView, list[MapBatchesView]] | None:
-        """The read and the stages as Ray Data's plan would show them, or ``None`` when a
-        read option makes the read Ray's (the direct path then asks Ray's plan)."""
-        if not set(self._read_options) <= PLAIN_READ_OPTIONS:
-            return None
-        context = self.context
+    def plain_plan(self) -> tuple[ReadView, list[MapBatchesView]]:
+        """The read and the stages as Ray Data's plan would show them."""
+        context = self.data_context()
         strategy = DEFAULT_SCHEDULING_STRATEGY if context is None else context.scheduling_strategy
         read = ReadView(
             name=f"Read{self._source.get_name()}",
@@ -154,24 +181,32 @@ class FileDataset:
         """The same read and stages as a ``ray.data.Dataset`` (built once; imports Ray Data).
 
         Built without starting Ray where it is down (``ray_compat.reads.read_datasource``).
+        A ``map_batches`` of a plan is that plan's Ray Data plan with the stage added, as in
+        Ray Data: they share its context.
         """
+        origin = self._origin
         with self._lock:
             if self._ray is None:
-                from raydl._internal.io.files import as_ray_datasource
-                from raydl._internal.ray_compat import reads
+                if origin is not None and origin._source is self._source:  # one more stage
+                    fn, kwargs = self._stages[-1]
+                    self._ray = origin.to_ray().map_batches(fn, **kwargs)  # its context, too
+                else:
+                    from raydl._internal.io.files import as_ray_datasource
+                    from raydl._internal.ray_compat import reads
 
-                dataset = reads.read_datasource(
-                    as_ray_datasource(self._source), cpus=self._cpus, **self._read_options
-                )
-                for fn, kwargs in self._stages:
-                    dataset = dataset.map_batches(fn, **kwargs)
-                self._ray = dataset
+                    dataset = reads.read_datasource(
+                        as_ray_datasource(self._source), cpus=self._cpus, **self._read_options
+                    )
+                    for fn, kwargs in self._stages:
+                        dataset = dataset.map_batches(fn, **kwargs)
+                    self._ray = dataset
             return self._ray
 
     def __getattr__(self, name: str) -> Any:
-        """Anything else is the Ray Data plan's (:meth:`to_ray`)."""
-        if name.startswith("__") or name in _OWN:
-            raise AttributeError(name)
+        """Any other public attribute is the Ray Data plan's (:meth:`to_ray`), and so are the
+        few private ones raydl's tests and Ray's users read (:data:`FORWARDED_PRIVATE`)."""
+        if name.startswith("_") and name not in FORWARDED_PRIVATE:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.to_ray(), name)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -185,16 +220,35 @@ class FileDataset:
         return f"FileDataset({' -> '.join(self.stage_names())}, {files} files)"
 
 
-#: The attributes of a :class:`FileDataset` itself (never forwarded to Ray Data's plan).
-_OWN = frozenset({"_source", "_read_options", "_cpus", "_stages", "_ray", "_lock"})
+def plan_of(
+    source: FileRunsDatasource, read_options: Mapping[str, Any], cpus: int
+) -> FileDataset | ray.data.Dataset:
+    """A raydl reader's plan of ``source``: a :class:`FileDataset`, or, with a read option
+    it does not take (resources, ``concurrency``), Ray Data's plan of the read, built now
+    so that Ray's checks of those options run at the read."""
+    if set(read_options) <= PLAIN_READ_OPTIONS:
+        return FileDataset(source, read_options=read_options, cpus=cpus)
+    from raydl._internal.io.files import as_ray_datasource
+    from raydl._internal.ray_compat import reads
+
+    return reads.read_datasource(as_ray_datasource(source), cpus=cpus, **read_options)
+
+
+#: The private attributes of a ``ray.data.Dataset`` a :class:`FileDataset` forwards; any
+#: other (a notebook's ``_repr_mimebundle_``, a ``hasattr`` probe) is not there, rather
+#: than building the Ray Data plan.
+FORWARDED_PRIVATE = frozenset({"_logical_plan", "_plan", "_meta_count"})
 
 
 def _recordable(fn: Any, kwargs: Mapping[str, Any]) -> bool:
     """Whether a ``map_batches(fn, **kwargs)`` call is one raydl records (see :meth:`FileDataset.map_batches`)."""
     if not callable(fn) or inspect.isclass(fn) or not set(kwargs) <= RECORDED_ARGS:
         return False
-    if inspect.ismethod(fn) and type(fn.__self__).__module__.startswith("ray."):
-        return False  # a Ray preprocessor's method: Ray names and runs it its own way
+    if inspect.ismethod(fn) and "ray.data" in sys.modules:
+        from ray.data.preprocessor import Preprocessor
+
+        if isinstance(fn.__self__, Preprocessor):
+            return False  # a preprocessor's method: Ray names the stage after its class
     size = kwargs.get("batch_size")
     if size is not None and (type(size) is not int or size < 1):
         return False  # "auto", or a value Ray's own call refuses with its message

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from raydl._internal.io import skips
-from raydl._internal.io.file_dataset import FileDataset
+from raydl._internal.io.file_dataset import FileDataset, plan_of
 from raydl._internal.io.files import READ_DATASOURCE_OPTIONS, FileRunsDatasource
 from raydl._internal.io.fs import LISTING_THREADS, without_cache
 from raydl._internal.io.readers import ParquetRuns
@@ -299,7 +299,7 @@ def read_dataset(
             paths, footers, filesystem, schema=schema, columns=columns, include_paths=include_paths
         )
         options.setdefault("override_num_blocks", read_tasks_for(footers, cpus))
-        return FileDataset(source, read_options=options, cpus=cpus)
+        return plan_of(source, options, cpus)
     import ray.data
 
     from raydl._internal.ray_compat import reads

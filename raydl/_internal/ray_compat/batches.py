@@ -92,13 +92,13 @@ class RayData:
     def use(self) -> None:
         """Import Ray Data and make the context current, once (a carried ``None``: the
         process's current context stays)."""
-        if self._entered or self._context is None:
+        if self._entered:
             return
-        context = self._context.get()
-        if context is None:  # Ray Data's defaults: made here without Ray's state API
+        context = None if self._context is None else self._context.get()
+        if context is None:  # the process's own (Ray Data's defaults, if none was made yet)
             from raydl._internal.ray_compat import context as data_context
 
-            data_context.get_current()
+            data_context.get_current()  # made, if not yet, without Ray's state API
             return
         from ray.data import DataContext
 
