@@ -42,7 +42,17 @@ def _start(mode: str, record: Path, ray_tmp: str, *args: str, **env: str) -> sub
         stderr=subprocess.PIPE,
         text=True,
         env=environ,
+        preexec_fn=_ctrl_c_as_at_a_terminal,
     )
+
+
+def _ctrl_c_as_at_a_terminal() -> None:
+    """In the script's process: SIGINT's default disposition, as a terminal's shell gives it.
+
+    A test run started in the background by a non-interactive shell (``nohup ... &``)
+    ignores SIGINT, and its children inherit that: their Ctrl-C would do nothing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(proc: subprocess.Popen[str], line: str, count: int = 1) -> None:
