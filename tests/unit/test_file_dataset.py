@@ -152,6 +152,11 @@ def test_every_other_attribute_is_the_ray_plans_built_once(tmp_path: Path) -> No
     assert dataset.to_ray() is dataset.to_ray()
     assert plans.stage_names(filtered)[:2] == ("ReadBinaryFiles", "MapBatches(double)")
     assert repr(dataset) == "FileDataset(ReadBinaryFiles -> MapBatches(double), 5 files)"
+    assert bool(dataset)  # as Ray's Dataset, whose len() and iter() refuse with a hint
+    with pytest.raises(AttributeError, match=r"Use `ds.count\(\)`"):
+        len(dataset)
+    with pytest.raises(TypeError, match=r"aren.t iterable.*raydl\.RayDataLoader"):
+        iter(dataset)
     copy = pickle.loads(pickle.dumps(dataset))
     assert copy._ray is None and stage_names(copy) == stage_names(dataset)
     with pytest.raises(AttributeError):

@@ -209,6 +209,24 @@ class FileDataset:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.to_ray(), name)
 
+    def __bool__(self) -> bool:  # as Ray's: a plan is never empty-looking (no __len__)
+        return True
+
+    def __len__(self) -> int:
+        """Refused, with Ray Data's message (a plan's length is only known by running it)."""
+        raise AttributeError(
+            "Use `ds.count()` to compute the length of a distributed Dataset. "
+            "This may be an expensive operation."
+        )
+
+    def __iter__(self) -> Any:
+        """Refused, with Ray Data's message."""
+        raise TypeError(
+            "`Dataset` objects aren't iterable. To iterate records, call "
+            "`ds.iter_rows()` or `ds.iter_batches()`; to load it as a torch DataLoader "
+            "would, pass it to raydl.RayDataLoader."
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ray": None, "_lock": None}
 
