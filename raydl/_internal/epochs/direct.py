@@ -153,12 +153,9 @@ def direct_plan(dataset: Any) -> DirectPlan | None:
     from raydl._internal.io.file_dataset import FileDataset
     from raydl._internal.io.files import own_source
 
-    found = None
     if isinstance(dataset, FileDataset):
-        found = dataset.plain_plan()
-        if found is None:  # a read option of Ray's: as its Ray Data plan says
-            dataset = dataset.to_ray()
-    if found is None:
+        found: tuple[plans.ReadView, list[plans.MapBatchesView]] | None = dataset.plain_plan()
+    else:
         found = plans.read_then_map_batches(dataset)
     if found is None:
         return None

@@ -91,16 +91,17 @@ def plan_epoch(
 
     ``ray_data``: a Ray Data plan even for raydl's own plan of a read (module docstring).
     """
-    if isinstance(dataset, FileDataset):
-        if not ray_data and not (shuffle and shuffle_mode != "files"):
-            if not shuffle:
-                return EpochPlan(dataset, None, None, all_to_all=False)
+    if isinstance(dataset, FileDataset) and not ray_data:
+        if not shuffle:
+            return EpochPlan(dataset, None, None, all_to_all=False)
+        if shuffle_mode == "files":  # the same files order Ray's plan gets (permute_reads)
             return EpochPlan(
                 dataset.permuted(epoch_seed(seed, epoch, _BLOCK_ORDER_STREAM)),
                 local_shuffle_buffer_size,
                 epoch_seed(seed, epoch, _LOCAL_BUFFER_STREAM),
                 all_to_all=False,
             )
+    if isinstance(dataset, FileDataset):
         dataset = dataset.to_ray()
     ds = plans.own_copy(dataset)  # own DataContext: the user's stays untouched
     ds.context.execution_options.preserve_order = deterministic

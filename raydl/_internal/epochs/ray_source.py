@@ -186,8 +186,6 @@ class RaySource(RankEpochs):
             built = self._built
             if built is None or built[0] != epoch:
                 built = self._built = (epoch, self._dataset.dataset(epoch))
-                if not isinstance(built[1], FileDataset):
-                    cluster.quiet_ray_data()
             return built[1]
 
     def length(self, epoch: int) -> int:
