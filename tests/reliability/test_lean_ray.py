@@ -275,8 +275,10 @@ def test_ray_starts_no_worker_before_the_actors_and_under_torchrun_they_are_no_r
         assert "ray::IDLE" not in seen["titles"], seen["titles"]  # no worker left idle
         assert seen["store"] == 200 << 20  # raydl.init(object_store_memory=...) sized it
         # Freed objects leave the store within 20 ms, so it reuses their pages: at Ray's
-        # default (a second) the 80 x 8 MiB wrote 184 of its 200 MiB; at 20 ms, 24 MiB.
-        assert seen["written"] <= 80 << 20, seen["written"] / 2**20
+        # default (a second) the 80 x 8 MiB fill the store, 184 of its 200 MiB, idle or
+        # loaded; at 20 ms, 24-40 MiB idle and 64-88 MiB with three busy processes beside
+        # (the raylet frees later when it waits for a CPU).
+        assert seen["written"] <= 128 << 20, seen["written"] / 2**20
     assert plain["ranks"] == ["unset"]
     assert ranked["ranks"] == [""]  # blanked: torch.distributed in a worker finds no rank
 
