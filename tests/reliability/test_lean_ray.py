@@ -191,7 +191,8 @@ for i in range(64):
         f.write(i.to_bytes(2, "little") * 8)
 
 def decode(batch):  # a last-mile stage: bytes in, numeric columns out
-    return {"id": np.array([int.from_bytes(b[:2], "little") for b in batch["bytes"]])}
+    ids = np.array([int.from_bytes(b[:2], "little") for b in batch["bytes"]])
+    return {"id": ids, "pandas": np.full(len(ids), "pandas" in sys.modules, dtype=np.int8)}
 
 ds = raydl.read_binary_files(folder).map_batches(decode, batch_size=16)
 loader = raydl.RayDataLoader(ds, batch_size=8, shuffle=True, shuffle_mode="files", seed=3)
@@ -200,8 +201,15 @@ for epoch in range(2):
     loader.set_epoch(epoch)
     epochs.append([int(i) for batch in loader for i in batch["id"]])
 state = loader.state_dict()
+on_actors = raydl.RayDataLoader(ds, batch_size=8, start_in_process=False)  # all on actors
+pandas = sorted({int(p) for batch in on_actors for p in batch["pandas"]})
+import psutil  # the actors' processes, while their loader holds them
+tree = psutil.Process().children(recursive=True)
+servers = [p.pid for p in tree if any(a.endswith("fork_server.py") for a in p.cmdline()[:4])]
+actors = [p.ppid() for p in tree if "DatasetWorker" in " ".join(p.cmdline()[:1])]
 print(json.dumps({"epochs": epochs, "type": type(ds).__name__,
                   "imported": [m for m in ("ray.data", "pandas") if m in sys.modules],
+                  "pandas": pandas, "servers": servers, "parents": actors,
                   "summary": str(loader.stats()["epochs"][-1]["ray_data"])}))
 """
 
@@ -321,3 +329,9 @@ def test_the_trainer_of_a_raydl_read_imports_neither_ray_data_nor_pandas() -> No
     assert seen["epochs"][0] != seen["epochs"][1]  # a new order each epoch
     assert "raydl actor" in seen["summary"], seen["summary"]  # ran on raydl's actors
     assert seen["imported"] == [], seen["imported"]
+    # Nor do its actors: their fork server shares no pandas for a read of whole files
+    # whose stages take numpy batches (47 MB of the small-images benchmark's peak).
+    assert seen["pandas"] == [0], seen["pandas"]
+    # One job: the fork server imported Ray itself and forked both actors (no
+    # environment server between them, whose pages the server kept too).
+    assert len(seen["servers"]) == 1 and seen["parents"] == seen["servers"] * 2, seen

@@ -128,3 +128,47 @@ def test_arrow_allocates_from_the_kept_heap_unless_the_process_was_told_otherwis
     assert run(ARROW_DEFAULT_MEMORY_POOL="") == [True, "system", "system"]
     assert run(ARROW_DEFAULT_MEMORY_POOL="mimalloc") == [True, "mimalloc", "mimalloc"]
     assert run(ARROW_DEFAULT_MEMORY_POOL="", RAYDL_KEEP_FREED_MEMORY="0")[1] != "system"
+
+
+TRAINER_TRIM = """
+import ctypes, json, sys, threading
+from raydl._internal.workers import allocator
+if sys.argv[1] == "actor":
+    allocator.keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def private_dirty_mb():
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(l.split()[1]) for l in f if l.startswith("Private_Dirty")) >> 10
+def churn():  # a producer thread's batches, in its own arena, freed but for the last
+    blocks = [libc.malloc(2000) for _ in range(40_000)]
+    for block in blocks:
+        ctypes.memset(block, 1, 2000)
+    for block in blocks[:-1]:
+        libc.free(block)
+thread = threading.Thread(target=churn)
+thread.start()
+thread.join()
+before = private_dirty_mb()
+first, again = allocator.release_freed_memory_now_and_then(), \\
+    allocator.release_freed_memory_now_and_then()
+print(json.dumps([first, again, before, private_dirty_mb()]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_trainer_gives_freed_memory_back_at_most_once_a_period_and_an_actor_never() -> None:
+    """A thread's freed 80 MB stay in its arena (the last block pins its top) until a trim."""
+    seen = {}
+    for kind in ("trainer", "actor"):
+        out = subprocess.run(
+            [sys.executable, "-c", TRAINER_TRIM, kind], capture_output=True, text=True, timeout=50
+        )
+        assert out.returncode == 0, out.stderr
+        seen[kind] = json.loads(out.stdout.splitlines()[-1])
+    first, again, before, after = seen["trainer"]
+    assert first and not again  # once per TRAINER_TRIM_PERIOD_S
+    assert before > 60 and before - after > 50, seen  # the freed 80 MB went back
+    first, again, before, after = seen["actor"]
+    assert not first and not again and after > 60, seen  # an actor keeps its freed memory

@@ -310,3 +310,34 @@ heavy = [m for m in ("ray.data", "pandas") if m in sys.modules]
 assert not heavy, heavy
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
+
+
+def test_only_whole_file_reads_with_numpy_stages_are_planned_without_pandas(
+    tmp_path: Path,
+) -> None:
+    """What the fork server shares: pandas, unless the direct plan's actors most likely
+    never import it (``DirectPlan.without_pandas``)."""
+    binary = _binary(tmp_path)
+    plans_ = {
+        "read": binary,
+        "numpy stage": binary.map_batches(double),
+        "numpy stages": binary.map_batches(double).map_batches(double, batch_format="numpy"),
+        "arrow stage": binary.map_batches(double, batch_format="pyarrow"),
+        "pandas stage": binary.map_batches(double).map_batches(double, batch_format="pandas"),
+        "parquet": _parquet(tmp_path),
+        "parquet, numpy stage": _parquet(tmp_path).map_batches(double),
+    }
+    without = {}
+    for name, dataset in plans_.items():
+        plan = direct_plan(dataset)
+        assert plan is not None, name
+        without[name] = plan.without_pandas
+    assert without == {
+        "read": True,
+        "numpy stage": True,
+        "numpy stages": True,
+        "arrow stage": False,
+        "pandas stage": False,
+        "parquet": False,
+        "parquet, numpy stage": False,
+    }

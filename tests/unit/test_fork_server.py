@@ -301,6 +301,34 @@ def test_per_environment_modules_are_imported_once_per_worker_environment(
     assert launched.wait(timeout=10) != 0
 
 
+def test_for_one_job_the_server_imports_per_environment_modules_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``one_job`` (a trainer of one rank): the server itself imports ``per_env`` under
+    the first worker's environment and forks that environment's workers; a worker of
+    another environment starts as Ray starts it, sharing nothing."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "envmod.py").write_text(ENVMOD)
+    monkeypatch.setenv("PYTHONPATH", str(modules))
+    monkeypatch.setattr(forking, "_wanted", [])
+    started = forking.start({}, modules=["json"], per_env=["envmod"], one_job=True)
+    seen = {}
+    try:
+        for name, marker in (("a1", "job-a"), ("b", "job-b"), ("a2", "job-a")):
+            launched = _launch(started, tmp_path, env={"MARKER": marker})
+            out, _ = launched.communicate("", timeout=30)
+            assert launched.returncode == 0 and out == "worker says hello\n"
+            seen[name] = {**_report(tmp_path), "launcher": launched.pid}
+    finally:
+        forking.stop()
+    for name in ("a1", "a2"):
+        assert seen[name]["ppid"] == started.process.pid, seen  # forked by the server itself
+        assert seen[name]["envmod"] == "job-a" and seen[name]["shared"] == ["json", "envmod"]
+    assert seen["b"]["pid"] == seen["b"]["launcher"], seen  # Ray's path: the launcher execs
+    assert seen["b"]["shared"] == [] and seen["b"]["envmod"] is None
+
+
 def test_a_long_request_is_read_whole(server: forking.ForkServer, tmp_path: Path) -> None:
     """A launcher's environment of 100 KB arrives in pieces (a stream carrying descriptors
     gives its first 36 KB or so to the first read): still forked, not Ray's path."""

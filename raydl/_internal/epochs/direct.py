@@ -136,6 +136,20 @@ class DirectPlan:
             self.exchange,
         )
 
+    @property
+    def without_pandas(self) -> bool:
+        """Whether its actors most likely never import pandas: a read of whole files
+        (binary and string columns, which raydl converts to numpy itself) whose stages
+        all take numpy batches. A stage given Arrow tables or pandas batches most likely
+        converts them with pyarrow's ``to_numpy`` or ``to_pandas``, which import pandas
+        (the benchmark's tabular stage does), as does raydl's conversion of a parquet
+        column of another type than plain numbers, strings and bytes."""
+        from raydl._internal.io.files import FileListDatasource
+
+        return isinstance(self.source, FileListDatasource) and all(
+            stage.batch_format == "numpy" for stage in self.stages
+        )
+
     def runs(self) -> list[tuple[str, ...]]:
         """The epoch's runs of files (see :func:`runs`)."""
         return runs(self.source.files)

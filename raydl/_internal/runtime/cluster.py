@@ -275,7 +275,7 @@ def _ensure_shared_cluster(
 ) -> None:
     rendezvous = Rendezvous.from_torchrun(world)
     if world.rank == 0:
-        _ensure_ray(None, num_cpus=num_cpus, object_store_memory=object_store_memory)
+        _ensure_ray(None, num_cpus=num_cpus, object_store_memory=object_store_memory, one_job=False)
         import ray
 
         if exiting():  # started under the exit's wait: no rank joins it now
@@ -317,7 +317,10 @@ def _ensure_ray(
     object_store_memory: int | None = None,
     token: str | None = None,
     preload: Sequence[str] = (),
+    one_job: bool = True,
 ) -> None:
+    """Connect to ``address``, or start the embedded instance: for this process's job
+    alone (``one_job``), or for every rank's (each rank's driver is a job of its own)."""
     global _started_by_raydl
     wait_for_starts_at_exit()
     with _lock:
@@ -363,6 +366,7 @@ def _ensure_ray(
                     include_dashboard=False,
                     dashboard_host="127.0.0.1",  # should any dashboard server start anyway
                     preload=tuple(preload),
+                    one_job=one_job,
                     **common,
                 )
             )
@@ -372,7 +376,7 @@ def _ensure_ray(
             quiet_ray_data()
 
 
-def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
+def _embedded_init(*, preload: tuple[str, ...], one_job: bool, **kwargs: Any) -> Any:
     """``ray.init`` of the embedded instance: its workers see torchrun's variables blanked.
 
     Lean (``RAYDL_LEAN_RAY=0`` turns it off): without the autoscaler monitor and
@@ -381,7 +385,7 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
     372 MB, and two small stand-ins instead of five Python processes importing Ray;
     docs/design.md, "Lean"). Its workers import ``preload`` as they start; on Linux they
     are forked from raydl's fork server (``runtime/forking.py``; ``RAYDL_FORK_WORKERS=0``
-    starts each as a fresh interpreter).
+    starts each as a fresh interpreter), which imports Ray itself for ``one_job``.
     """
     import ray
 
@@ -391,7 +395,7 @@ def _embedded_init(*, preload: tuple[str, ...], **kwargs: Any) -> Any:
     with contextlib.ExitStack() as patches:
         updates = _blanked_torchrun_vars()
         if env.fork_workers():
-            server = forking.start(updates)
+            server = forking.start(updates, one_job=one_job)
             ray_setup = patches.enter_context(ray_core.worker_setup(worker_launch.__file__))
             updates = {**updates, **server.raylet_env(ray_setup)}
         patches.enter_context(ray_core.raylet_env(updates))

@@ -13,7 +13,7 @@ place of ``setup_worker.py``); the child becomes an ordinary Ray worker by runni
 and standard streams. Its pages stay shared with this process until written.
 
 Standard library only, run by path (``python fork_server.py FD MODULE... [--per-env
-MODULE...]``,
+MODULE... [--in-place]]``,
 started by ``runtime/forking.py`` before the raylet) in its own session, so a
 terminal's Ctrl-C does not reach it or the workers it forks.
 
@@ -29,6 +29,11 @@ terminal's Ctrl-C does not reach it or the workers it forks.
   (this server passes each one on, with its connection and streams). One per job
   in practice; past ``MAX_ENV_SERVERS`` of them, a request's worker is forked here
   and imports Ray itself.
+* ``--in-place`` (a trainer of one rank: one job): this process imports them itself,
+  under the first request's environment, and forks every worker of that environment;
+  a request under another is refused (its launcher runs Ray's own path). One process
+  instead of two: the pages an environment server and its workers write are no longer
+  kept, unwritten, in this process too (docs/design.md, "Forked workers").
 * One thread, no locks held at ``fork()``: requests, the children's exits
   (``SIGCHLD`` through a wake-up pipe) and the trainer's end (end of file on
   stdin) are served by one ``selectors`` loop.
@@ -81,6 +86,9 @@ MAX_REQUEST = 1 << 20
 PER_ENV_FLAG = "--per-env"
 #: The modules an environment server imports (``--per-env``): Ray.
 PER_ENV: list[str] = []
+#: On the command line, after the per-environment modules: import them in this process,
+#: under the first request's environment, in place of an environment server.
+IN_PLACE_FLAG = "--in-place"
 #: The thread settings an environment server keeps from this process's environment
 #: where the worker's has none (``runtime/forking.THREADS``).
 THREAD_VARS = ("OMP_NUM_THREADS",)
@@ -143,6 +151,16 @@ def share(modules: Iterable[str]) -> None:
     gc.freeze()
 
 
+def take_environment(env: dict[str, str]) -> None:
+    """Make ``env`` this process's environment, with its thread settings where ``env``
+    has none (a package shared later, torch, is imported here too, and OpenMP takes
+    them then), and import :data:`PER_ENV` under it."""
+    threads = {name: os.environ[name] for name in THREAD_VARS if name in os.environ}
+    os.environ.clear()
+    os.environ.update({**threads, **env})
+    share(PER_ENV)
+
+
 def become_worker(request: dict[str, Any], fds: list[int]) -> None:
     """In a forked child: take the launcher's streams, environment and arguments, and a
     process group of its own, as the raylet gives each worker it starts (it kills a
@@ -198,10 +216,20 @@ class Server:
     the launcher's connection and streams, or the modules to share.
     """
 
-    def __init__(self, listener: socket.socket | None, inbox: socket.socket | None = None) -> None:
-        """Serve ``listener`` and stdin, or, in an environment server, ``inbox``."""
+    def __init__(
+        self,
+        listener: socket.socket | None,
+        inbox: socket.socket | None = None,
+        *,
+        in_place: bool = False,
+    ) -> None:
+        """Serve ``listener`` and stdin, or, in an environment server, ``inbox``;
+        ``in_place``: import :data:`PER_ENV` here (see :data:`IN_PLACE_FLAG`)."""
         self.listener = listener
         self.inbox = inbox
+        self.in_place = in_place
+        #: In place: the environment this process imported :data:`PER_ENV` under, once it did.
+        self.own_env: str | None = None
         self.selector = selectors.DefaultSelector()
         self.children: dict[int, socket.socket] = {}
         #: Environment servers by the environment they imported under: (pid, its inbox).
@@ -276,13 +304,16 @@ class Server:
             return None
         why = refusal(request) if len(fds) == 3 else "the launcher sent no streams"
         if why is not None:
-            close_all(fds)
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
-            conn.close()
-            return None
+            return self.refuse(conn, fds, why)
         if PER_ENV:
             key = json.dumps(sorted(request["env"].items()))
+            if self.in_place:
+                if self.own_env is None:
+                    self.own_env = key
+                    take_environment(request["env"])
+                if key != self.own_env:
+                    return self.refuse(conn, fds, "this server imported Ray for another job")
+                return self.fork_worker(request, conn, fds)
             if key not in self.env_servers and len(self.env_servers) < MAX_ENV_SERVERS:
                 child = self.start_env_server(key, request["env"], conn, fds)
                 if child is not None:  # in the environment server: its inbox's first request
@@ -290,6 +321,15 @@ class Server:
             if key in self.env_servers and self.forward(key, request, conn, fds):
                 return None
         return self.fork_worker(request, conn, fds)
+
+    @staticmethod
+    def refuse(conn: socket.socket, fds: list[int], why: str) -> None:
+        """Tell the launcher of ``conn`` why its worker is not forked here (it runs Ray's
+        own path then)."""
+        close_all(fds)
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+        conn.close()
 
     def fork_worker(
         self, request: dict[str, Any], conn: socket.socket, fds: list[int]
@@ -330,12 +370,7 @@ class Server:
         devnull = os.open(os.devnull, os.O_RDONLY)  # not the trainer's pipe: the server reads it
         os.dup2(devnull, 0)
         os.close(devnull)
-        # The worker's environment, with this server's thread settings where it has none:
-        # a package shared later (torch) is imported here too, and OpenMP takes them then.
-        threads = {name: os.environ[name] for name in THREAD_VARS if name in os.environ}
-        os.environ.clear()
-        os.environ.update({**threads, **env})
-        share(PER_ENV)
+        take_environment(env)
         try:
             child = Server(None, inbox=theirs).serve()
         except BaseException:  # never unwind into the server's frames (and its exit)
@@ -438,10 +473,14 @@ class Server:
 def main(fd: int, modules: list[str]) -> None:
     """Import ``modules``, serve the listening socket ``fd``; in a forked child, run the worker.
 
-    ``modules`` after :data:`PER_ENV_FLAG` are imported per worker environment.
+    ``modules`` after :data:`PER_ENV_FLAG` are imported per worker environment (here,
+    with :data:`IN_PLACE_FLAG` last).
     """
     listener = socket.socket(fileno=fd)
     path = listener.getsockname()
+    in_place = modules[-1:] == [IN_PLACE_FLAG]
+    if in_place:
+        modules = modules[:-1]
     if PER_ENV_FLAG in modules:
         at = modules.index(PER_ENV_FLAG)
         modules, PER_ENV[:] = modules[:at], modules[at + 1 :]
@@ -449,7 +488,7 @@ def main(fd: int, modules: list[str]) -> None:
     # Python 3.12+ warns at each fork() of a process with threads; this one's are numpy's
     # OpenBLAS pool and pyarrow's jemalloc background thread, which both handle fork().
     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
-    child = Server(listener).serve()
+    child = Server(listener, in_place=in_place and bool(PER_ENV)).serve()
     if child is None:
         listener.close()
         os.unlink(path)

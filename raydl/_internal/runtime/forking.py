@@ -108,12 +108,17 @@ def start(
     env_updates: dict[str, str],
     modules: Sequence[str] | None = None,
     per_env: Sequence[str] = PER_ENV,
+    *,
+    one_job: bool = False,
 ) -> ForkServer:
     """Start the fork server (ending one that runs) with this environment plus ``env_updates``.
 
     It imports ``modules``, by default what :func:`share` was told so far, and
     ``per_env`` once per worker environment (in practice per job: Ray, which reads
-    the worker's job and raylet from its environment when imported). It returns
+    the worker's job and raylet from its environment when imported): with
+    ``one_job`` (a trainer of one rank), in the server itself under the first
+    worker's environment, and a worker of another environment starts as Ray starts
+    it; else in an environment server, a child of the server, for each. It returns
     at once, its socket listening (bound here, handed to the server), so a worker the
     raylet starts while the server still imports waits for it. The server runs in a
     session of its own, so a terminal's Ctrl-C reaches neither it nor the workers it
@@ -136,6 +141,7 @@ def start(
                 str(listener.fileno()),
                 *names,
                 *([fork_server.PER_ENV_FLAG, *per_env] if per_env else []),
+                *([fork_server.IN_PLACE_FLAG] if per_env and one_job else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,  # its stderr is the trainer's: it is quiet unless it fails

@@ -19,6 +19,10 @@ a stop flag the consumer sets, and the producer thread, whose death is noticed.
 
 Waits run in short slices, so a blocked side always notices the other's stop.
 
+Each ``put`` also gives the trainer's freed memory back to the kernel, once a second
+at most (``workers/allocator.release_freed_memory_now_and_then``): what the producers
+allocated and the training loop freed would otherwise stay in their threads' arenas.
+
 The queue is a ``deque``; a side about to wait raises its "I wait" flag, looks at the
 deque once more, then waits on a lock of its own, which the other side releases when it
 finds the flag up (a binary semaphore), so no wake-up is lost; a stale ``release`` only
@@ -47,6 +51,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from raydl._internal.workers import allocator
 from raydl.errors import LoaderTimeoutError
 
 if TYPE_CHECKING:
@@ -198,6 +203,8 @@ class Handoff:
             with contextlib.suppress(Exception):  # the consumer reads the item itself
                 item = _Noted(item, note(item))
         self._enqueue(item)
+        # The batches' memory, freed by the training loop, back to the kernel once a second.
+        allocator.release_freed_memory_now_and_then()
 
     def _enqueue(self, item: Any) -> None:
         items, maxsize = self._items, self._maxsize
