@@ -28,6 +28,8 @@ import tempfile
 
 import pytest
 
+from raydl._internal.ray_compat.head import JEMALLOC_CONF
+
 SCRIPT = """
 import json, sys, psutil, torch, raydl
 raydl.init()
@@ -42,6 +44,8 @@ def listing():
     return (sorted({arg.rsplit('/', 1)[-1] for p in procs for arg in p.cmdline()[:4]
                     if arg.endswith('.py')}), sorted(p.name() for p in procs))
 programs, titles = listing()
+malloc_conf = {p.name(): p.environ().get("MALLOC_CONF") for p in psutil.Process().children(
+    recursive=True) if p.name() in ("gcs_server", "raylet")}
 # A runtime_env needs the raylet's runtime-env agent: a lean instance starts it now.
 import os, ray
 @ray.remote(num_cpus=0)
@@ -71,7 +75,8 @@ while not any("worker-output-reaches-the-driver" in t for t in tee.seen):
 sys.stdout = tee.inner
 print(json.dumps({"rows": rows, "programs": programs, "titles": titles,
                   "ray_data": "ray.data" in sys.modules, "aiohttp": aiohttp,
-                  "with_env": with_env, "titles_after": listing()[1]}))
+                  "with_env": with_env, "titles_after": listing()[1],
+                  "malloc_conf": malloc_conf}))
 """
 
 
@@ -270,6 +275,9 @@ def test_the_embedded_instance_runs_only_the_processes_a_loader_needs() -> None:
     assert "log_monitor.py" not in lean["programs"] and "log_monitor.py" in full["programs"]
     for seen in (lean, full):
         assert "(speak pid=" in seen["output"], seen["output"][-3000:]
+    # Ray's two C++ processes: jemalloc with one arena and no thread caches (10 MB less).
+    assert lean["malloc_conf"] == dict.fromkeys(["gcs_server", "raylet"], JEMALLOC_CONF)
+    assert full["malloc_conf"] == {"gcs_server": None, "raylet": None}
 
 
 @pytest.mark.timeout(360)

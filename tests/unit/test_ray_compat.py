@@ -227,3 +227,27 @@ def test_deferred_serializers_wait_for_their_package_and_register_once() -> None
         [sys.executable, "-c", DEFERRED], check=True, timeout=50, capture_output=True, text=True
     )
     assert out.stdout.split() == ["4"], out.stdout
+
+
+def test_lean_jemalloc_sets_the_two_servers_conf_unless_the_environment_configures_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray._private import services
+
+    from raydl._internal.ray_compat import head
+
+    def conf(process_type: str) -> str | None:
+        env = services.propagate_jemalloc_env_var(
+            jemalloc_path="/j.so", jemalloc_conf="", jemalloc_comps=[], process_type=process_type
+        )
+        return env.get("MALLOC_CONF")
+
+    for name in head.JEMALLOC_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with head.lean_jemalloc():
+        assert [conf(kind) for kind in ("gcs_server", "raylet")] == [head.JEMALLOC_CONF] * 2
+        assert conf("dashboard") is None
+    assert conf("raylet") is None  # patched only while in it
+    monkeypatch.setenv("RAY_JEMALLOC_CONF", "prof:true")  # the user's own: left to Ray
+    with head.lean_jemalloc():
+        assert conf("raylet") is None

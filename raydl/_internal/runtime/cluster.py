@@ -404,6 +404,7 @@ def _embedded_init(*, preload: tuple[str, ...], one_job: bool, **kwargs: Any) ->
         if lean:
             patches.enter_context(head.lean_head())
             patches.enter_context(head.standin_agents(agent_standin.__file__))
+            patches.enter_context(head.lean_jemalloc())
         try:
             context = ray.init(**kwargs, **ray_core.system_config(preload))
         except BaseException:
