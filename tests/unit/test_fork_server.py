@@ -232,6 +232,29 @@ def test_modules_shared_later_reach_the_workers_forked_after(
 ENVMOD = "import os\nMARKER = os.environ.get('MARKER')\n"
 
 
+def _start_with_envmod(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, one_job: bool = False
+) -> forking.ForkServer:
+    """A server sharing ``json`` that imports ``envmod`` (which keeps ``MARKER``) per environment."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "envmod.py").write_text(ENVMOD)
+    monkeypatch.setenv("PYTHONPATH", str(modules))  # the server's and the launchers'
+    monkeypatch.setattr(forking, "_wanted", [])
+    return forking.start({}, modules=["json"], per_env=["envmod"], one_job=one_job)
+
+
+def _three_jobs(started: forking.ForkServer, tmp_path: Path) -> dict[str, dict]:
+    """Launch a worker of job a, one of job b, one of job a again: what each reported."""
+    seen = {}
+    for name, marker in (("a1", "job-a"), ("b", "job-b"), ("a2", "job-a")):
+        launched = _launch(started, tmp_path, env={"MARKER": marker})
+        out, _ = launched.communicate("", timeout=30)
+        assert launched.returncode == 0 and out == "worker says hello\n"
+        seen[name] = {**_report(tmp_path), "launcher": launched.pid}
+    return seen
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -242,19 +265,9 @@ def test_per_environment_modules_are_imported_once_per_worker_environment(
 ) -> None:
     """Workers of one environment (one job) fork from one environment server that
     imported ``per_env`` under that environment; another environment gets its own."""
-    modules = tmp_path / "modules"
-    modules.mkdir()
-    (modules / "envmod.py").write_text(ENVMOD)
-    monkeypatch.setenv("PYTHONPATH", str(modules))  # the server's and the launchers'
-    monkeypatch.setattr(forking, "_wanted", [])
-    started = forking.start({}, modules=["json"], per_env=["envmod"])
-    seen = {}
+    started = _start_with_envmod(tmp_path, monkeypatch)
     try:
-        for name, marker in (("a1", "job-a"), ("b", "job-b"), ("a2", "job-a")):
-            launched = _launch(started, tmp_path, env={"MARKER": marker})
-            out, _ = launched.communicate("", timeout=30)
-            assert launched.returncode == 0 and out == "worker says hello\n"
-            seen[name] = _report(tmp_path)
+        seen = _three_jobs(started, tmp_path)
         assert [seen[n]["envmod"] for n in ("a1", "b", "a2")] == ["job-a", "job-b", "job-a"]
         assert seen["a1"]["ppid"] == seen["a2"]["ppid"] != seen["b"]["ppid"]
         for report in seen.values():
@@ -306,27 +319,30 @@ def test_for_one_job_the_server_imports_per_environment_modules_itself(
 ) -> None:
     """``one_job`` (a trainer of one rank): the server itself imports ``per_env`` under
     the first worker's environment and forks that environment's workers; a worker of
-    another environment starts as Ray starts it, sharing nothing."""
-    modules = tmp_path / "modules"
-    modules.mkdir()
-    (modules / "envmod.py").write_text(ENVMOD)
-    monkeypatch.setenv("PYTHONPATH", str(modules))
-    monkeypatch.setattr(forking, "_wanted", [])
-    started = forking.start({}, modules=["json"], per_env=["envmod"], one_job=True)
-    seen = {}
+    another environment (another driver joined) comes from an environment server started
+    as a fresh interpreter, which imported what the server shares, then ``per_env``."""
+    started = _start_with_envmod(tmp_path, monkeypatch, one_job=True)
     try:
-        for name, marker in (("a1", "job-a"), ("b", "job-b"), ("a2", "job-a")):
-            launched = _launch(started, tmp_path, env={"MARKER": marker})
-            out, _ = launched.communicate("", timeout=30)
-            assert launched.returncode == 0 and out == "worker says hello\n"
-            seen[name] = {**_report(tmp_path), "launcher": launched.pid}
+        seen = _three_jobs(started, tmp_path)
+        launched = _launch(started, tmp_path, "--sleep", env={"MARKER": "job-b"})
+        assert launched.stdin is not None and launched.stdout is not None
+        launched.stdin.close()
+        assert launched.stdout.readline() == "worker says hello\n"
+        seen["b2"] = _report(tmp_path)
+        with open(f"/proc/{seen['b']['ppid']}/cmdline", "rb") as f:
+            env_server = f.read().split(b"\0")
     finally:
         forking.stop()
     for name in ("a1", "a2"):
         assert seen[name]["ppid"] == started.process.pid, seen  # forked by the server itself
         assert seen[name]["envmod"] == "job-a" and seen[name]["shared"] == ["json", "envmod"]
-    assert seen["b"]["pid"] == seen["b"]["launcher"], seen  # Ray's path: the launcher execs
-    assert seen["b"]["shared"] == [] and seen["b"]["envmod"] is None
+    assert seen["b"]["pid"] != seen["b"]["launcher"], seen  # forked, not Ray's path
+    assert seen["b"]["ppid"] == seen["b2"]["ppid"] != started.process.pid, seen
+    assert fork_server.INBOX_FLAG.encode() in env_server, env_server  # started fresh
+    assert seen["b"]["envmod"] == "job-b" and seen["b"]["shared"] == ["json", "envmod"]
+    for pid in (seen["b2"]["pid"], seen["b"]["ppid"]):  # they end with the server
+        _gone_within(pid, 10)
+    assert launched.wait(timeout=10) != 0
 
 
 def test_a_long_request_is_read_whole(server: forking.ForkServer, tmp_path: Path) -> None:

@@ -30,10 +30,13 @@ terminal's Ctrl-C does not reach it or the workers it forks.
   in practice; past ``MAX_ENV_SERVERS`` of them, a request's worker is forked here
   and imports Ray itself.
 * ``--in-place`` (a trainer of one rank: one job): this process imports them itself,
-  under the first request's environment, and forks every worker of that environment;
-  a request under another is refused (its launcher runs Ray's own path). One process
-  instead of two: the pages an environment server and its workers write are no longer
-  kept, unwritten, in this process too (docs/design.md, "Forked workers").
+  under the first request's environment, and forks every worker of that environment.
+  One process instead of two: the pages an environment server and its workers write
+  are no longer kept, unwritten, in this process too (docs/design.md, "Forked
+  workers"). A request under another environment (another driver joined the instance)
+  goes to an environment server started fresh (``python fork_server.py --inbox FD
+  PARENT MODULE...``, :func:`serve_inbox`), as a forked one would get it: this process
+  imported Ray for its own job, so no child of it may.
 * One thread, no locks held at ``fork()``: requests, the children's exits
   (``SIGCHLD`` through a wake-up pipe) and the trainer's end (end of file on
   stdin) are served by one ``selectors`` loop.
@@ -89,6 +92,8 @@ PER_ENV: list[str] = []
 #: On the command line, after the per-environment modules: import them in this process,
 #: under the first request's environment, in place of an environment server.
 IN_PLACE_FLAG = "--in-place"
+#: On the command line, first: an environment server started fresh, serving an inbox.
+INBOX_FLAG = "--inbox"
 #: The thread settings an environment server keeps from this process's environment
 #: where the worker's has none (``runtime/forking.THREADS``).
 THREAD_VARS = ("OMP_NUM_THREADS",)
@@ -311,9 +316,13 @@ class Server:
                 if self.own_env is None:
                     self.own_env = key
                     take_environment(request["env"])
-                if key != self.own_env:
-                    return self.refuse(conn, fds, "this server imported Ray for another job")
-                return self.fork_worker(request, conn, fds)
+                if key == self.own_env:
+                    return self.fork_worker(request, conn, fds)
+                if key not in self.env_servers and len(self.env_servers) < MAX_ENV_SERVERS:
+                    self.spawn_env_server(key, request["env"])
+                if key in self.env_servers and self.forward(key, request, conn, fds):
+                    return None
+                return self.refuse(conn, fds, "this server imported Ray for another job")
             if key not in self.env_servers and len(self.env_servers) < MAX_ENV_SERVERS:
                 child = self.start_env_server(key, request["env"], conn, fds)
                 if child is not None:  # in the environment server: its inbox's first request
@@ -379,6 +388,30 @@ class Server:
         if child is None:
             os._exit(0)
         return child
+
+    def spawn_env_server(self, key: str, env: dict[str, str]) -> None:
+        """Start the server of the environment ``env`` as a fresh interpreter
+        (:func:`serve_inbox`): it imports what this process shares, then
+        :data:`PER_ENV` under ``env``, and serves what :meth:`forward` passes it."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, INBOX_BYTES)
+        os.set_inheritable(theirs.fileno(), True)
+        threads = {name: os.environ[name] for name in THREAD_VARS if name in os.environ}
+        argv = [sys.executable, *flags(), os.path.abspath(__file__), INBOX_FLAG]
+        argv += [str(theirs.fileno()), str(os.getpid()), *SHARED, PER_ENV_FLAG, *PER_ENV]
+        try:
+            pid = os.posix_spawn(
+                sys.executable,
+                argv,
+                {**threads, **env},
+                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)],
+            )
+        except OSError:
+            mine.close()
+            return
+        finally:
+            theirs.close()
+        self.env_servers[key] = (pid, mine)
 
     def forward(
         self, key: str, request: dict[str, Any], conn: socket.socket, fds: list[int]
@@ -470,6 +503,35 @@ class Server:
                 os.kill(pid, signal.SIGKILL)
 
 
+def serve_inbox(fd: int, parent: int, modules: list[str]) -> None:
+    """Serve the inbox ``fd`` as the environment server of a server (``parent``) that
+    imported Ray for another job (:meth:`Server.spawn_env_server`): import ``modules``
+    (those after :data:`PER_ENV_FLAG` too) under this process's environment, the
+    workers'; in a forked child, run the worker."""
+    die_with(parent)
+    # What the server had open and could be inherited (its listener, the streams of the
+    # request at hand): a launcher's pipe held here would never reach its end of file.
+    os.closerange(3, fd)
+    os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
+    inbox = socket.socket(fileno=fd)
+    at = modules.index(PER_ENV_FLAG)
+    modules, PER_ENV[:] = modules[:at], modules[at + 1 :]
+    share(modules)
+    share(PER_ENV)
+    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks")
+    child = Server(None, inbox=inbox).serve()
+    if child is not None:
+        run_worker(child)
+
+
+def run_worker(child: tuple[dict[str, Any], list[int]]) -> None:
+    """In a forked child: become the worker of ``child``'s request and run it."""
+    become_worker(*child)
+    import runpy
+
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
 def main(fd: int, modules: list[str]) -> None:
     """Import ``modules``, serve the listening socket ``fd``; in a forked child, run the worker.
 
@@ -495,11 +557,11 @@ def main(fd: int, modules: list[str]) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(path))  # the private folder made for it
         return
-    become_worker(*child)
-    import runpy
-
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_worker(child)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2:])
+    if sys.argv[1] == INBOX_FLAG:
+        serve_inbox(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    else:
+        main(int(sys.argv[1]), sys.argv[2:])
