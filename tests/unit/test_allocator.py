@@ -39,13 +39,19 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(keep: str) -> tuple[bool, int]:
-    env = dict(os.environ, RAYDL_KEEP_FREED_MEMORY=keep)
+def _python(code: str, *args: str, **env: str) -> str:
+    """The standard output of ``code`` run by a fresh interpreter with ``args``; ``env``
+    added to this process's environment (an empty value removes the variable)."""
+    environ = {k: v for k, v in {**os.environ, **env}.items() if v}
     out = subprocess.run(
-        [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=50
+        [sys.executable, "-c", code, *args], env=environ, capture_output=True, text=True, timeout=50
     )
     assert out.returncode == 0, out.stderr
-    applied, faults = out.stdout.split()
+    return out.stdout
+
+
+def _faults(keep: str) -> tuple[bool, int]:
+    applied, faults = _python(CODE, RAYDL_KEEP_FREED_MEMORY=keep).split()
     return applied == "True", int(faults)
 
 
@@ -83,11 +89,7 @@ def test_a_reply_larger_than_the_trim_threshold_keeps_its_memory_for_the_next() 
     """After each reply an actor keeps as much freed memory as it had in use (bounded)."""
     runs = {}
     for how in ("look", "do_not_look"):
-        out = subprocess.run(
-            [sys.executable, "-c", BIG_CODE, how], capture_output=True, text=True, timeout=50
-        )
-        assert out.returncode == 0, out.stderr
-        faults, threshold = out.stdout.split()
+        faults, threshold = _python(BIG_CODE, how).split()
         runs[how] = int(faults), int(threshold)
     pages = BIG_ARRAYS * (1 << 20) // 4096  # one round's
     assert runs["do_not_look"][0] > 4 * pages // 2, runs  # given back and faulted in each round
@@ -114,15 +116,7 @@ def test_arrow_allocates_from_the_kept_heap_unless_the_process_was_told_otherwis
     pyarrow_first: str,
 ) -> None:
     def run(**env: str) -> list[object]:
-        out = subprocess.run(
-            [sys.executable, "-c", ARROW, pyarrow_first],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=50,
-            env={k: v for k, v in {**os.environ, **env}.items() if v},
-        )
-        result: list[object] = json.loads(out.stdout.splitlines()[-1])
+        result: list[object] = json.loads(_python(ARROW, pyarrow_first, **env).splitlines()[-1])
         return result
 
     assert run(ARROW_DEFAULT_MEMORY_POOL="") == [True, "system", "system"]
@@ -162,11 +156,7 @@ def test_the_trainer_gives_freed_memory_back_at_most_once_a_period_and_an_actor_
     """A thread's freed 80 MB stay in its arena (the last block pins its top) until a trim."""
     seen = {}
     for kind in ("trainer", "actor"):
-        out = subprocess.run(
-            [sys.executable, "-c", TRAINER_TRIM, kind], capture_output=True, text=True, timeout=50
-        )
-        assert out.returncode == 0, out.stderr
-        seen[kind] = json.loads(out.stdout.splitlines()[-1])
+        seen[kind] = json.loads(_python(TRAINER_TRIM, kind).splitlines()[-1])
     first, again, before, after = seen["trainer"]
     assert first and not again  # once per TRAINER_TRIM_PERIOD_S
     assert before > 60 and before - after > 50, seen  # the freed 80 MB went back

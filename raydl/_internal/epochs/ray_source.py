@@ -114,6 +114,15 @@ class RaySource(RankEpochs):
     in_process = False
 
     @functools.cached_property
+    def _direct_at_start(self) -> DirectPlan | None:
+        """The plan's direct form as given, if raydl's actors run it (a ``PerEpoch``'s
+        plans are made per epoch: ``None``)."""
+        dataset = self._dataset
+        if self._settings.options.direct_execution is False or isinstance(dataset, PerEpoch):
+            return None
+        return direct_plan(dataset)
+
+    @property
     def worker_modules(self) -> tuple[str, ...]:
         """What an embedded instance it starts has its workers import as they start.
 
@@ -121,13 +130,9 @@ class RaySource(RankEpochs):
         nothing for one raydl's actors run, which import no Ray Data (docs/design.md,
         "Actors without Ray Data").
         """
-        dataset = self._dataset
-        direct = self._settings.options.direct_execution is not False
-        if direct and not isinstance(dataset, PerEpoch) and direct_plan(dataset) is not None:
-            return ()
-        return cluster.RAY_DATA_WORKERS
+        return () if self._direct_at_start is not None else cluster.RAY_DATA_WORKERS
 
-    @functools.cached_property
+    @property
     def shared_modules(self) -> tuple[str, ...]:
         """What its actors import, for the embedded instance's fork server to share
         (docs/design.md, "Forked workers"): numpy and pyarrow (reads and stages), never
@@ -140,9 +145,7 @@ class RaySource(RankEpochs):
         own pay about 40 MB apiece.
         """
         plain = ("numpy", "pyarrow")
-        if self.worker_modules:  # Ray Data's tasks, or a plan made per epoch
-            return (*plain, "pandas")
-        plan = direct_plan(self._dataset)
+        plan = self._direct_at_start
         return plain if plan is not None and plan.without_pandas else (*plain, "pandas")
 
     def takes_start(self, startup: BackgroundStart | None) -> bool:

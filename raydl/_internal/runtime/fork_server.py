@@ -197,6 +197,13 @@ def close_all(fds: Iterable[int]) -> None:
         os.close(fd)
 
 
+def _inbox() -> tuple[socket.socket, socket.socket]:
+    """An environment server's inbox: (the server's end, the environment server's)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, INBOX_BYTES)
+    return mine, theirs
+
+
 def die_with(parent: int) -> None:
     """Have the kernel SIGKILL this process when ``parent`` (the server) ends.
 
@@ -312,23 +319,22 @@ class Server:
             return self.refuse(conn, fds, why)
         if PER_ENV:
             key = json.dumps(sorted(request["env"].items()))
-            if self.in_place:
-                if self.own_env is None:
-                    self.own_env = key
-                    take_environment(request["env"])
-                if key == self.own_env:
-                    return self.fork_worker(request, conn, fds)
-                if key not in self.env_servers and len(self.env_servers) < MAX_ENV_SERVERS:
-                    self.spawn_env_server(key, request["env"])
-                if key in self.env_servers and self.forward(key, request, conn, fds):
-                    return None
-                return self.refuse(conn, fds, "this server imported Ray for another job")
+            if self.in_place and self.own_env is None:
+                self.own_env = key
+                take_environment(request["env"])
+            if key == self.own_env:
+                return self.fork_worker(request, conn, fds)
             if key not in self.env_servers and len(self.env_servers) < MAX_ENV_SERVERS:
-                child = self.start_env_server(key, request["env"], conn, fds)
-                if child is not None:  # in the environment server: its inbox's first request
-                    return child
+                if self.in_place:  # no child of this process may import Ray for another job
+                    self.spawn_env_server(key, request["env"])
+                else:
+                    child = self.start_env_server(key, request["env"], conn, fds)
+                    if child is not None:  # in the environment server: its first request
+                        return child
             if key in self.env_servers and self.forward(key, request, conn, fds):
                 return None
+            if self.in_place:
+                return self.refuse(conn, fds, "this server imported Ray for another job")
         return self.fork_worker(request, conn, fds)
 
     @staticmethod
@@ -364,8 +370,7 @@ class Server:
         it and serves what :meth:`forward` passes it, the request at hand (``conn``,
         ``fds``) first. In that child this returns, in each worker it forks, the
         worker's request (or ends the process with the server)."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, INBOX_BYTES)
+        mine, theirs = _inbox()
         server = os.getpid()
         pid = os.fork()
         if pid != 0:
@@ -393,8 +398,7 @@ class Server:
         """Start the server of the environment ``env`` as a fresh interpreter
         (:func:`serve_inbox`): it imports what this process shares, then
         :data:`PER_ENV` under ``env``, and serves what :meth:`forward` passes it."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, INBOX_BYTES)
+        mine, theirs = _inbox()
         os.set_inheritable(theirs.fileno(), True)
         threads = {name: os.environ[name] for name in THREAD_VARS if name in os.environ}
         argv = [sys.executable, *flags(), os.path.abspath(__file__), INBOX_FLAG]

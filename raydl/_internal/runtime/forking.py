@@ -117,8 +117,8 @@ def start(
     ``per_env`` once per worker environment (in practice per job: Ray, which reads
     the worker's job and raylet from its environment when imported): with
     ``one_job`` (a trainer of one rank), in the server itself under the first
-    worker's environment, and a worker of another environment starts as Ray starts
-    it; else in an environment server, a child of the server, for each. It returns
+    worker's environment, and in an environment server started fresh for any other;
+    else in an environment server, a child of the server, for each. It returns
     at once, its socket listening (bound here, handed to the server), so a worker the
     raylet starts while the server still imports waits for it. The server runs in a
     session of its own, so a terminal's Ctrl-C reaches neither it nor the workers it
