@@ -255,7 +255,8 @@ class RayDataLoader(Iterable[Any]):
                 self._world,
             )
         self._next_epoch = 0
-        self._resume: LoaderState | None = None
+        self._resume: LoaderState | None = None  # an epoch under way to go on with
+        self._loaded: LoaderState | None = None  # the state loaded, until the next iter()
         self._iterator: EpochIterator | None = None
         self._record: EpochRecord | None = None  # the last epoch started
         self._stats: list[EpochStats] = []
@@ -323,16 +324,20 @@ class RayDataLoader(Iterable[Any]):
         """
         iterator, record = self._iterator, self._record
         running = iterator is not None and not iterator.exhausted and record is not None
+        if not running and self._loaded is not None:
+            return self._loaded.to_dict()  # loaded and not iterated yet: that same position
         consumed = iterator.num_yielded if running and iterator is not None else 0
         now = record if running else None
         state = LoaderState(
             kind=self._kind,
             epoch=now.epoch if now is not None else self._next_epoch,
+            epoch_started=now is not None,
             batches_consumed=consumed,
             world_size=self._world.world_size,
             dataset_len=self._dataset_len(),
             seed=self._base_seed,
-            rng=now.rng if now is not None else None,
+            # Between epochs: the RNG the next epoch will draw its order from.
+            rng=now.rng if now is not None else self._source.rng_now(),
             sampler_epoch=now.sampler_epoch if now is not None else None,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
@@ -345,6 +350,7 @@ class RayDataLoader(Iterable[Any]):
             fingerprint=(iterator.stats.fingerprint or None)
             if running and iterator is not None
             else None,
+            num_workers=self._source.state_workers,
         )
         return state.to_dict()
 
@@ -415,10 +421,16 @@ class RayDataLoader(Iterable[Any]):
             world_size=self._world.world_size,
             batch_size=self.batch_size,
             elastic=self._kind == RAY or (self._kind == MAP and can_rebuild(state)),
+            num_workers=self._source.state_workers,
         )
         self._close_iterator()
         self._source.discard_early()
-        self._resume = state if state.batches_consumed > 0 else None
+        if state.started:
+            self._resume = state  # the next iter() goes on with that epoch
+        else:
+            self._resume = None
+            self._source.load_between_epochs(state)  # its RNG and persistent workers' seed
+        self._loaded = state
         self._expect(state.epoch)
 
     def __len__(self) -> int:
@@ -433,7 +445,7 @@ class RayDataLoader(Iterable[Any]):
         if not self._source.takes_start(startup):  # else the source waits when it needs Ray
             connect(startup, self.options.ray_address, self._world, self._source.worker_modules)
         epoch = self._next_epoch
-        resume, self._resume = self._resume, None
+        resume, self._resume, self._loaded = self._resume, None, None
         self._expect(epoch + 1)
         pin = self._pinning.use()
         device = resolve_device(self.options.device)

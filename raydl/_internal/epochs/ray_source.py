@@ -223,6 +223,16 @@ class RaySource(RankEpochs):
         except TypeError:
             return None
 
+    #: A Ray Data epoch's order is a function of (seed, epoch): no RNG, no worker count.
+    state_workers: int | None = None
+
+    def rng_now(self) -> None:
+        """No torch RNG decides a Ray Data epoch."""
+        return None
+
+    def load_between_epochs(self, state: LoaderState) -> None:
+        """Nothing to take: the next epoch's order follows from (seed, epoch)."""
+
     def expect(self, epoch: int, *, resume: bool) -> None:
         """The loader's next ``iter()`` runs ``epoch`` (resuming it if ``resume``)."""
         with self._lock:

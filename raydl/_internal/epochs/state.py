@@ -1,17 +1,22 @@
 """Versioned, JSON-able iteration state: where an epoch stood, and how to get back there.
 
-Schema (``version`` 3)::
+Schema (``version`` 4)::
 
     {
-      "version": 3,
+      "version": 4,
       "kind": "map" | "iterable" | "ray",   # the dataset kind it was saved from
       "epoch": int,                          # the epoch in progress (or the next one)
+      "epoch_started": bool,                 # iter() had started ``epoch``: a resume goes
+                                             # on with it; else the state was saved before
+                                             # it (between epochs, before the first iter())
       "batches_consumed": int,               # batches handed to the trainer in that epoch
       "world_size": int,
       "dataset_len": int | null,             # len(dataset) for torch datasets
       "seed": int,                           # raydl's base seed (Ray Data shuffles)
       "rng": {"source": "generator" | "global", "state": base64} | null,
                                              # torch RNG state at the start of the epoch
+                                             # (not started: at the save, which the next
+                                             # epoch draws from; restored at the load)
       "sampler_epoch": int | null,           # DistributedSampler.epoch at the epoch start
       "batch_size": int | null,
       "drop_last": bool,
@@ -31,10 +36,15 @@ Schema (``version`` 3)::
                                              # resume runs it the same way. null: Ray Data
       "fingerprint": str | null              # of the batches this rank consumed in the
                                              # epoch (stats()' fingerprint; optional)
+      "num_workers": int | null              # torch datasets: the workers that loaded the
+                                             # epoch (an IterableDataset resumes only with
+                                             # as many: each worker iterates its own copy)
     }
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
-consumed, so a resume re-delivers them. Version 1 states (no ``batch_size``,
+consumed, so a resume re-delivers them. Version 4 adds ``epoch_started`` and
+``num_workers``; in older states an epoch counts as started when it has an
+``rng`` or consumed batches (their between-epoch states had neither). Version 1 states (no ``batch_size``,
 ``drop_last``, ``progress``, ``order``) still load, at the same world size.
 Version 3 changes what ``direct_execution: true`` means under several ranks: in
 a streaming mode the epoch's rows were dealt by rank 0 (``deal_ranks.py``); in
@@ -54,8 +64,8 @@ import torch
 
 from raydl.errors import StateMismatchError
 
-STATE_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
+STATE_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def encode_rng(state: torch.Tensor) -> str:
@@ -87,7 +97,16 @@ class LoaderState:
     worker_seed: int | None = None
     direct_execution: bool | None = None
     fingerprint: str | None = None
+    epoch_started: bool | None = None
+    num_workers: int | None = None
     version: int = STATE_VERSION
+
+    @property
+    def started(self) -> bool:
+        """Whether ``epoch`` was under way: a resume goes on with it (from its start RNG)."""
+        if self.epoch_started is not None:
+            return self.epoch_started
+        return self.rng is not None or self.batches_consumed > 0
 
     @property
     def segments(self) -> list[tuple[int, int]]:
@@ -132,10 +151,14 @@ class LoaderState:
         world_size: int,
         batch_size: int | None,
         elastic: bool,
+        num_workers: int | None = None,
     ) -> None:
         """Raise :class:`StateMismatchError` naming both values when the state does not fit.
 
         ``elastic``: whether this loader can resume the epoch at another world size.
+        ``num_workers``: this loader's workers, checked for an ``IterableDataset``'s
+        epoch under way (its workers each iterate their own copy of the dataset, so
+        the rest of the epoch exists only for the same count).
         """
         pairs = [
             ("dataset kind", self.kind, kind),
@@ -146,6 +169,21 @@ class LoaderState:
             pairs.append(("batch size", self.batch_size, batch_size))
         if self.needs_elastic(world_size) and not (elastic and self.version >= 2):
             pairs.append(("world size", self.world_size, world_size))
+        if (
+            kind == "iterable"
+            and self.started
+            and self.num_workers is not None
+            and num_workers is not None
+            and self.num_workers != num_workers
+        ):
+            raise StateMismatchError(
+                f"cannot load this state: it was saved mid-epoch with num_workers="
+                f"{self.num_workers}, but this loader has num_workers={num_workers}. An "
+                "IterableDataset's epoch is split among its workers (each iterates its own "
+                "copy), so the rest of that epoch exists only for the same count: build the "
+                f"loader with num_workers={self.num_workers} to resume it, or load a state "
+                "saved between epochs."
+            )
         for what, saved, current in pairs:
             if saved != current:
                 raise StateMismatchError(

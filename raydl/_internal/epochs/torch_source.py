@@ -245,10 +245,9 @@ class TorchSource:
             record.rng = self._capture_rng()
             shared_seed = self._datapipe_seed()
             record.sampler_epoch = getattr(args.sampler, "epoch", None)
-            persistent = self._settings.persistent_workers
             record.order = {
                 **sampler_spec(args.sampler, args.batch_sampler),
-                "worker_seed_drawn": not (persistent and self._worker_seed is not None),
+                "worker_seed_drawn": self._draws_worker_seed(resume),
             }
             # torch draws the sampler iterator, then the workers' base seed, in this
             # order; persistent workers are seeded once, so torch draws it only once.
@@ -326,8 +325,7 @@ class TorchSource:
         """A DataPipe's shuffle seed for this epoch (torch's ``_share_dist_seed``), else ``None``."""
         if not isinstance(self._dataset, IterDataPipe):
             return None
-        generator = self._settings.generator
-        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+        return self._draw_seed()
 
     def _in_process_epoch(
         self,
@@ -339,8 +337,7 @@ class TorchSource:
     ) -> EpochStart:
         """An epoch loaded in this process, batch by batch in ``next()`` (``num_workers=0``)."""
         args, dataset = self._args, self._dataset
-        # torch draws a base seed for its (absent) workers too: the same RNG stream.
-        torch.empty((), dtype=torch.int64).random_(generator=self._settings.generator)
+        self._draw_seed()  # torch draws a base seed for its (absent) workers too
         if shared_seed is not None:
             apply_random_seed(dataset, torch.Generator().manual_seed(shared_seed))
         if isinstance(dataset, (IterDataPipe, MapDataPipe)):
@@ -368,20 +365,36 @@ class TorchSource:
         """The base seed of the epoch's workers, drawn now where torch draws it.
 
         Persistent workers are seeded once: their seed is drawn by the first epoch
-        (or comes from the resumed state) and kept.
+        (or comes from the resumed state) and kept. A resumed first epoch draws it
+        again, as that epoch did (from the restored RNG: the same seed), so that the
+        sampler's own draws come after it, as they did.
         """
         settings = self._settings
+        draws = self._draws_worker_seed(resume)
         if settings.persistent_workers and self._worker_seed is not None:
             return self._worker_seed
-        if settings.persistent_workers and resume is not None and resume.worker_seed is not None:
-            base_seed = resume.worker_seed  # drawn in the first epoch, not now
-        else:
-            base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=settings.generator).item()
-            )
+        saved = resume.worker_seed if resume is not None else None
+        drawn = self._draw_seed() if draws else None
+        base_seed = saved if settings.persistent_workers and saved is not None else drawn
+        assert base_seed is not None  # drawn unless a persistent resume saved it
         if settings.persistent_workers:
             self._worker_seed = base_seed
         return base_seed
+
+    def _draws_worker_seed(self, resume: LoaderState | None) -> bool:
+        """Whether this epoch draws the workers' base seed (torch: persistent ones once)."""
+        if not self._settings.persistent_workers:
+            return True
+        if self._worker_seed is not None:
+            return False
+        if resume is not None and resume.worker_seed is not None:
+            return bool((resume.order or {}).get("worker_seed_drawn"))
+        return True
+
+    def _draw_seed(self) -> int:
+        """torch's draw of the workers' base seed, from the loader's generator or the global RNG."""
+        generator = self._settings.generator
+        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
     def _worker_seed_of_record(self) -> int | None:
         return self._worker_seed if self._settings.persistent_workers else None
@@ -541,6 +554,31 @@ class TorchSource:
             pool.kill()
 
     # -- RNG ------------------------------------------------------------------------
+
+    def rng_now(self) -> dict[str, str]:
+        """The RNG state the next epoch will draw from (a state saved between epochs)."""
+        return self._capture_rng()
+
+    @property
+    def state_workers(self) -> int:
+        """The workers an epoch's state records (``num_workers``)."""
+        return self._settings.num_workers
+
+    def load_between_epochs(self, state: LoaderState) -> None:
+        """Take a state saved between epochs: the next epoch draws as the saved loader's would.
+
+        Its RNG is restored now, at the load (a script that seeds torch after loading
+        still decides), and persistent workers take the saved base seed, which torch
+        draws only once (a pool of this loader seeded otherwise is replaced).
+        """
+        self._restore_rng(state)
+        if not self._settings.persistent_workers:
+            return
+        seed = state.worker_seed
+        if seed != self._worker_seed and self._pool is not None:
+            pool, self._pool = self._pool, None
+            self._park(pool)
+        self._worker_seed = seed
 
     def _capture_rng(self) -> dict[str, str]:
         generator = self._settings.generator
