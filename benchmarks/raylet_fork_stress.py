@@ -14,7 +14,7 @@ A raylet that aborted shows in the output as Ray's ``(raylet) ... Check failed:
 binary.size() == T::Size() expected size is 28, but got data size is 75`` lines; the
 process itself often survives it until its next Ray call (count them with ``grep -c
 'expected size is 28'``).
-Measured in session 34 (docs/benchmarks.md): the raylet aborted in 13 of 70 rounds with
+Measured on a 2-CPU machine: the raylet aborted in 13 of 70 rounds with
 torch's forked workers (forked Ray workers on or off alike), 0 of 16 with spawned ones, and
 0 in every variant without torch's workers. This script's first version, which defined the
 dataset in itself and started Ray in a folder of its own per round (not through

@@ -99,7 +99,7 @@ def test_actors_keep_freed_memory_unless_told_not_to() -> None:
         pytest.skip("mallopt: glibc on Linux")
     # glibc's defaults, its initial mmap threshold pinned: left dynamic, the first free of
     # a 600 KB mapping raises it, and a worker that did so before its rounds (seen once,
-    # session 25: 0 faults) serves them from the heap as a kept one does.
+    # 0 faults) serves them from the heap as a kept one does.
     env_vars = {"RAYDL_KEEP_FREED_MEMORY": "0", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
     off = {"runtime_env": {"env_vars": env_vars}}
     faults = {}

@@ -104,7 +104,7 @@ def test_with_auto_the_first_batches_load_here_as_worker_0_in_torchs_order(
 @pytest.mark.timeout(180)
 def test_the_actors_take_over_from_a_trainer_that_loads_flat_out() -> None:
     """No training step, and items made by torch operators: the trainer loads batches itself
-    as fast as it can until the actors answer. Before session 28 it ran those operators on
+    as fast as it can until the actors answer. Not on one thread, it would run those ops on
     its intra-op threads, whose OpenMP spinning kept both cores of a 2-CPU machine busy, and
     the actors answered late: here after 21.7 s (5.8 s since), in a fresh process after
     20-23 s (3-4 s since). A liveness check: the thread count itself is pinned by

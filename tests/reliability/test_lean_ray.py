@@ -304,7 +304,7 @@ def test_workers_of_an_instance_a_read_starts_import_neither_ray_data_nor_torch(
     """A plain task finds neither imported, whether a read or ``raydl.init()`` started Ray.
 
     A raydl read's plan usually runs on raydl's actors, which import no Ray Data
-    (docs/design.md, "Actors without Ray Data"); until session 25 such an instance had
+    (docs/design/direct-execution.md#actors-without-ray-data); a preloading instance has
     every worker import it as it started (``preload_python_modules``).
     """
     read_first, init_first = _programs({"READ_FIRST": "1"}, {}, script=PRELOAD)

@@ -22,7 +22,7 @@ class ThreadCount(Dataset[int]):
 
 def test_stand_ins_run_torch_on_one_thread_as_torchs_workers_do_then_put_it_back() -> None:
     """torch's worker processes call ``torch.set_num_threads(1)``; a stand-in loads so too
-    (the trainer's spinning OpenMP threads starved the actors' start: session 28)."""
+    (the trainer's spinning OpenMP threads would starve the actors' start)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

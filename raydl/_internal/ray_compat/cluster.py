@@ -129,8 +129,8 @@ def raylet_env(updates: dict[str, str]) -> Iterator[None]:
 
     Every worker process the raylet starts inherits them. A job's ``runtime_env``
     would give the workers the same variables, but Ray then starts a new process for
-    each actor instead of reusing the instance's workers (measured before session 23,
-    when Ray still prestarted workers: two idle processes under torchrun, every actor
+    each actor instead of reusing the instance's workers (measured with Ray's prestarted
+    workers on: two idle processes under torchrun, every actor
     a fresh start). ``ray.init`` has no argument for it
     (``RayParams.env_vars`` is not one of its arguments), so
     ``ray._private.services.start_raylet`` is wrapped for the duration; this

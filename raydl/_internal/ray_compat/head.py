@@ -277,7 +277,7 @@ def lean_jemalloc() -> Iterator[None]:
 
     Measured on the benchmark's small images (2 CPUs, four epochs): the two processes'
     PSS at the tree's peak 42 + 28 -> 38 + 22 MB, the raylet's CPU time 1.74 -> 1.75 s
-    (docs/benchmarks.md, session 38). Ray does the same when told (``RAY_JEMALLOC_CONF``
+    (``benchmarks/memory_breakdown.py``). Ray does the same when told (``RAY_JEMALLOC_CONF``
     with ``RAY_JEMALLOC_PROFILE=gcs_server,raylet``); a process whose environment sets
     any of :data:`JEMALLOC_VARS` keeps what it says. ``ray.init`` has no argument for
     it, so ``ray._private.services.propagate_jemalloc_env_var`` is wrapped for the

@@ -88,7 +88,7 @@ class ForkServer:
 #: (here). A fresh Ray worker imports torch after Ray set it to the task's CPUs (1 for an
 #: actor that asks for none, as raydl's do), and torch's own loader workers run one thread;
 #: with the server's default (a thread per core) two forked actors decoding JPEGs ran at a
-#: quarter of their speed on 2 cores (docs/benchmarks.md, session 33).
+#: quarter of their speed on 2 cores.
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 

@@ -34,7 +34,7 @@ The consumer wakes a producer that waits for room only when it took the last ite
 the producer looks again by itself, after a quarter of the time it has waited so far
 (:data:`ROOM_POLL_S` to :data:`ROOM_POLL_MAX_S`). Woken from the trainer's ``next()``,
 the producer's work on the next batch (a local shuffle round: 1-3.5 ms) ran while that
-``next()`` sat runnable but not running (run-queue delay, measured in session 32); most
+``next()`` sat runnable but not running (run-queue delay, measured with ``perf sched``); most
 likely the scheduler placed the freshly woken thread on the waker's core, ahead of it.
 Measured on the tabular benchmark's loader at 0.5x the one-process rate (2 cores,
 docs/benchmarks.md): calls to ``next()`` over 1 ms went from 7-16 to 0-2 per epoch and

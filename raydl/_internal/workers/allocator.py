@@ -189,7 +189,7 @@ def release_freed_memory() -> None:
     For the training process after each batch its stand-ins for a pool's workers
     loaded (``workers/emulated.py``): decoding there in the trainer's own heap, with
     glibc's defaults, left the benchmark's trainer at 660-830 MB PSS on full-size
-    ``mapstyle_decode`` against 230 MB with it (docs/benchmarks.md, session 18).
+    ``mapstyle_decode`` against 230 MB with it.
     """
     trim = _glibc("malloc_trim", (ctypes.c_size_t,))
     if trim is not None:

@@ -135,7 +135,7 @@ def one_thread() -> Callable[[], None]:
     than a difference from torch: between the dataset's small operators its OpenMP
     threads spin, so on a machine of few cores the training process kept every core
     busy and raydl's actors, started meanwhile, ran their first task only 20-23 s in
-    (measured in session 28 on 2 CPUs: 2 MB batches of ``torch.full`` and
+    (measured on 2 CPUs: 2 MB batches of ``torch.full`` and
     ``torch.stack``, no training step, the trainer and an OpenMP thread at 100 % each,
     40-49 epochs loaded here; with one thread the actors took over 3-4 s after they were
     made). Only where torch runs on OpenMP: the native pool cannot be resized once it
