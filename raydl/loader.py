@@ -326,8 +326,12 @@ class RayDataLoader(Iterable[Any]):
         running = iterator is not None and not iterator.exhausted and record is not None
         if not running and self._loaded is not None:
             return self._loaded.to_dict()  # loaded and not iterated yet: that same position
-        consumed = iterator.num_yielded if running and iterator is not None else 0
         now = record if running else None
+        consumed, ahead = 0, None
+        if now is not None and iterator is not None:
+            consumed, ahead = now.delivered(
+                iterator.skipped, iterator.num_yielded - iterator.skipped
+            )
         state = LoaderState(
             kind=self._kind,
             epoch=now.epoch if now is not None else self._next_epoch,
@@ -351,6 +355,7 @@ class RayDataLoader(Iterable[Any]):
             if running and iterator is not None
             else None,
             num_workers=self._source.state_workers,
+            delivered_ahead=ahead or None,
         )
         return state.to_dict()
 

@@ -10,6 +10,9 @@ before the resumed loader is built, as a restarted script does.
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -253,3 +256,70 @@ def test_a_newer_state_version_is_refused_naming_the_versions_readable() -> None
         StateMismatchError, match=r"state version 5 is not supported: this raydl reads versions"
     ):
         loader.load_state_dict(state)
+
+
+class Gated(Dataset[int]):
+    """Item 0 waits until ``gate`` exists (at most a minute): a batch slower than the rest."""
+
+    def __init__(self, gate: str) -> None:
+        self.gate = gate
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return index
+
+
+def _gated_loader(gate: str) -> RayDataLoader:
+    return RayDataLoader(
+        Gated(gate), batch_size=2, num_workers=2, in_order=False, persistent_workers=True
+    )
+
+
+@pytest.mark.timeout(180)
+def test_in_order_false_delivers_ready_batches_before_a_slow_one(tmp_path: Any) -> None:
+    """torch's rule: the slow batch's worker gets no more requests until it catches up."""
+    gate = str(tmp_path / "gate")
+    loader = _gated_loader(gate)
+    it = iter(loader)
+    early = [int(next(it)[0]) // 2 for _ in range(8)]  # batch positions, while batch 0 waits
+    pathlib.Path(gate).touch()
+    late = [int(batch[0]) // 2 for batch in it]
+    loader.close()
+    # Batch 2 went to batch 0's worker before anyone knew it was slow; nothing else waits.
+    assert sorted(early) == [1, 3, 4, 5, 6, 7, 8, 9]
+    assert sorted(early + late) == list(range(20))
+
+
+@pytest.mark.timeout(180)
+def test_in_order_false_state_resumes_exactly_the_batches_not_delivered(tmp_path: Any) -> None:
+    gate = str(tmp_path / "gate")
+    loader = _gated_loader(gate)
+    it = iter(loader)
+    early = [int(x) for _ in range(6) for x in next(it)]
+    state = _json(loader.state_dict())
+    pathlib.Path(gate).touch()
+    loader.close()
+    assert state["batches_consumed"] == 6
+    assert 0 not in early and state["delivered_ahead"] == sorted({x // 2 for x in early})
+    resumed = _gated_loader(gate)
+    resumed.load_state_dict(state)
+    rest = _flat(resumed)
+    resumed.close()
+    assert sorted(early + rest) == list(range(40))  # each sample once
+
+
+@pytest.mark.timeout(60)
+def test_in_order_false_state_refuses_another_world_size() -> None:
+    loader = RayDataLoader(Items(), batch_size=5, num_workers=1, in_order=False)
+    it = iter(loader)
+    next(it)
+    state = {**loader.state_dict(), "delivered_ahead": [3], "world_size": 2, "progress": [[2, 1]]}
+    loader.close()
+    with pytest.raises(StateMismatchError, match=r"saved with world size 2, but this loader has"):
+        RayDataLoader(Items(), batch_size=5).load_state_dict(state)

@@ -295,7 +295,7 @@ def test_a_pool_grown_mid_epoch_delivers_every_batch_once_in_order(start: str) -
     pool, calls = _Pool(getattr(t, start), start_s=0.3), _Calls(work_s=0.01)
     requests = [[2 * i, 2 * i + 1] for i in range(240)]
     producer = MapStyleProducer(
-        pool, iter(requests), lookahead=t.depth, in_order=True, calls=calls, tuner=t
+        pool, enumerate(requests), lookahead=t.depth, in_order=True, calls=calls, tuner=t
     )
     got = []
     outstanding = []

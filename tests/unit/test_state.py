@@ -87,3 +87,14 @@ def test_map_style_epochs_take_another_num_workers() -> None:
 def test_an_unknown_version_names_the_versions_readable() -> None:
     with pytest.raises(StateMismatchError, match=r"version 7 .*reads versions \(1, 2, 3, 4\)"):
         _state(version=7)
+
+
+def test_an_out_of_order_epoch_resumes_at_exactly_the_positions_not_delivered() -> None:
+    from raydl._internal.stream.batching import delivered_ahead, positioned
+
+    count, ahead = delivered_ahead(0, [1, 3, 4, 6])
+    assert (count, ahead) == (4, [1, 3, 4, 6])
+    assert [p for p, _ in positioned(range(8), count, ahead)] == [0, 2, 5, 7]
+    # After the resumed run delivered 0 and 2 as well: the prefix grows, ahead shrinks.
+    assert delivered_ahead(count - len(ahead), [*ahead, 0, 2]) == (6, [6])
+    assert [p for p, _ in positioned(range(8), 6, [6])] == [5, 7]

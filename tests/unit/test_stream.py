@@ -882,7 +882,7 @@ def _map_style_epoch(
     start = ActorStart("ready")
     producer = MapStyleProducer(
         FakePool(2),
-        iter(range(batches)),
+        enumerate(range(batches)),
         lookahead=4 if tuner is None else tuner.depth,
         in_order=True,
         calls=calls,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from raydl._internal.stream.batching import delivered_ahead
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl.errors import RayDLError
 
@@ -30,6 +31,10 @@ class EpochRecord:
         order: How the epoch's order was drawn (map-style; for elastic resume).
         worker_seed: The workers' base seed (persistent workers: drawn once).
         direct: The epoch ran on raydl's own actors, not on Ray Data.
+        ahead: The positions a resumed epoch had delivered beyond its first missing
+            one (``in_order=False``).
+        handed_by: A map-style epoch's producer, whose ``handed`` lists the positions
+            of the batches handed over, in hand-over order.
     """
 
     epoch: int
@@ -39,6 +44,18 @@ class EpochRecord:
     order: dict[str, Any] | None = None
     worker_seed: int | None = None
     direct: bool = False
+    ahead: list[int] = field(default_factory=list)
+    handed_by: Any = None
+
+    def delivered(self, skip: int, taken: int) -> tuple[int, list[int]]:
+        """``(batches_consumed, delivered_ahead)`` once ``taken`` batches of this run were taken.
+
+        ``skip``: the batches a resume had consumed before this run.
+        """
+        if self.handed_by is None:
+            return skip + taken, list(self.ahead)
+        handed: list[int] = self.handed_by.handed[:taken]
+        return delivered_ahead(skip - len(self.ahead), [*self.ahead, *handed])
 
 
 @dataclass

@@ -39,11 +39,14 @@ Schema (``version`` 4)::
       "num_workers": int | null              # torch datasets: the workers that loaded the
                                              # epoch (an IterableDataset resumes only with
                                              # as many: each worker iterates its own copy)
+      "delivered_ahead": [int] | null        # map-style, in_order=False: positions in the
+                                             # epoch delivered after its first batch not
+                                             # delivered yet (counted in batches_consumed)
     }
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
-consumed, so a resume re-delivers them. Version 4 adds ``epoch_started`` and
-``num_workers``; in older states an epoch counts as started when it has an
+consumed, so a resume re-delivers them. Version 4 adds ``epoch_started``,
+``num_workers`` and ``delivered_ahead``; in older states an epoch counts as started when it has an
 ``rng`` or consumed batches (their between-epoch states had neither). Version 1 states (no ``batch_size``,
 ``drop_last``, ``progress``, ``order``) still load, at the same world size.
 Version 3 changes what ``direct_execution: true`` means under several ranks: in
@@ -99,6 +102,7 @@ class LoaderState:
     fingerprint: str | None = None
     epoch_started: bool | None = None
     num_workers: int | None = None
+    delivered_ahead: list[int] | None = None
     version: int = STATE_VERSION
 
     @property
@@ -167,7 +171,9 @@ class LoaderState:
         ]
         if self.version >= 2:
             pairs.append(("batch size", self.batch_size, batch_size))
-        if self.needs_elastic(world_size) and not (elastic and self.version >= 2):
+        if self.needs_elastic(world_size) and not (
+            elastic and self.version >= 2 and not self.delivered_ahead
+        ):
             pairs.append(("world size", self.world_size, world_size))
         if (
             kind == "iterable"

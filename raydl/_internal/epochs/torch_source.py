@@ -45,7 +45,7 @@ from raydl._internal.runtime.env import ray_address as ray_address_env
 from raydl._internal.runtime.startup import BackgroundStart, Warm, connect
 from raydl._internal.runtime.world import World
 from raydl._internal.stream.autotune import AutoTuner, worker_budget
-from raydl._internal.stream.batching import skip_consumed
+from raydl._internal.stream.batching import positioned
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.in_process import InProcessProducer, LengthWatch
 from raydl._internal.stream.pool_producers import IterableProducer, MapStyleProducer
@@ -260,11 +260,15 @@ class TorchSource:
             self._check_cpus()
         base_seed = self._epoch_seed(resume)
         skip = resume.batches_consumed if resume is not None else 0
-        here = index_iter is not None and self._may_load_here(lookahead)
+        ahead = list(resume.delivered_ahead or []) if resume is not None else []
+        rest = positioned(index_iter, skip, ahead) if index_iter is not None else None
+        record.ahead = ahead
+        here = rest is not None and self._may_load_here(lookahead)
         if here and self._startup is not None and not self._startup.done and self._spec_known():
-            assert index_iter is not None
-            starting = self._before_the_pool(epoch, base_seed, skip_consumed(index_iter, skip))
+            assert rest is not None
+            starting = self._before_the_pool(epoch, base_seed, rest)
             if starting is not None:
+                record.handed_by = starting
                 record.worker_seed = self._worker_seed_of_record()
                 return EpochStart(starting, record, skip=skip, length=length)
         self._connect()
@@ -277,7 +281,7 @@ class TorchSource:
         record.worker_seed = self._worker_seed_of_record()
         prefetch = self._settings.prefetch
         producer: Producer
-        if index_iter is None:
+        if rest is None:
             producer = IterableProducer(
                 pool,
                 prefetch=prefetch,
@@ -292,9 +296,9 @@ class TorchSource:
             # fetched again.
             tuner = self._last_tuner = self._tuners.get(pool)
             workers = len(pool) if stand_ins is None else stand_ins.spec.num_workers
-            producer = MapStyleProducer(
+            producer = record.handed_by = MapStyleProducer(
                 pool,
-                skip_consumed(index_iter, skip),
+                rest,
                 lookahead=(tuner.depth if tuner is not None else prefetch * workers) + lookahead,
                 in_order=self._settings.in_order,
                 on_close=on_close,
@@ -346,7 +350,8 @@ class TorchSource:
         if index_iter is None:
             index_iter, length = iter(self._index_sampler), self._length_or_none()
         else:
-            index_iter = skip_consumed(index_iter, skip)
+            ahead = (resume.delivered_ahead or []) if resume is not None else []
+            index_iter = (indices for _, indices in positioned(index_iter, skip, ahead))
         producer = InProcessProducer(
             dataset,
             index_iter,
@@ -413,7 +418,8 @@ class TorchSource:
     def _may_load_here(self, lookahead: int) -> bool:
         """Whether a map-style epoch may load batches here while its actors start.
 
-        Not with a ``worker_init_fn`` (it would run in the trainer), torch's ``timeout``
+        Not with ``in_order=False`` (a slow batch loading here would hold back every
+        batch behind it), a ``worker_init_fn`` (it would run in the trainer), torch's ``timeout``
         (it starts the workers first), nor a device copy stage (``lookahead > 0``: that
         stage takes the batches on its own thread, and the stand-ins must load on the
         trainer's).
@@ -421,6 +427,7 @@ class TorchSource:
         settings = self._settings
         return (
             settings.start_in_process
+            and settings.in_order
             and settings.worker_init_fn is None
             and settings.timeout == 0
             and lookahead == 0

@@ -382,4 +382,40 @@ def skip_consumed(items: Iterable[T], count: int) -> Iterator[T]:
     return iterator
 
 
+def positioned(
+    items: Iterable[T], count: int, ahead: Iterable[int] = ()
+) -> Iterator[tuple[int, T]]:
+    """``(position, item)`` for the items of an epoch not delivered yet, in epoch order.
+
+    ``count`` items were delivered: those at the positions in ``ahead`` (an
+    ``in_order=False`` epoch delivers batches as they finish) and every position
+    before the first one missing. Map-style epochs skip their sampler's index
+    batches this way: nothing is fetched again, and each batch keeps its position.
+
+    Example:
+        >>> list(positioned("abcdef", 3, ahead=[4]))
+        [(2, 'c'), (3, 'd'), (5, 'f')]
+    """
+    skipped = set(ahead)
+    prefix = count - len(skipped)
+    for position, item in enumerate(items):
+        if position >= prefix and position not in skipped:
+            yield position, item
+
+
+def delivered_ahead(prefix: int, positions: Iterable[int]) -> tuple[int, list[int]]:
+    """``(count, ahead)`` of an epoch whose first ``prefix`` items and ``positions`` were delivered.
+
+    The inverse of :func:`positioned`: ``ahead`` lists the delivered positions
+    after the first one missing.
+
+    Example:
+        >>> delivered_ahead(2, [3, 2, 6])
+        (5, [6])
+    """
+    done = set(positions) | set(range(prefix))
+    first_missing = next(p for p in range(len(done) + 1) if p not in done)
+    return len(done), sorted(p for p in done if p > first_missing)
+
+
 _MISSING = object()

@@ -200,11 +200,12 @@ SLICE_S = 0.05
 class _Request:
     """One request in flight: its argument, its worker, its attempts."""
 
-    __slots__ = ("actor", "arg", "attempts", "ref", "worker_id")
+    __slots__ = ("actor", "arg", "attempts", "ref", "tag", "worker_id")
 
-    def __init__(self, ref: Any, arg: Any, worker_id: int, actor: Any) -> None:
+    def __init__(self, ref: Any, arg: Any, worker_id: int, actor: Any, tag: Any = None) -> None:
         self.ref = ref  # None while held back
         self.arg = arg
+        self.tag = tag  # the caller's name for it, returned with its reply
         self.worker_id = worker_id
         self.actor = actor  # the actor it was sent to (a restart replaces it)
         self.attempts = 0
@@ -242,6 +243,10 @@ def get_sliced(
 class Dispatcher:
     """Sends requests to a pool's workers round-robin and collects their replies.
 
+    With ``in_order=False`` a request goes to the worker with the fewest requests in
+    flight (the first such from the round-robin's turn), as torch's ``in_order=False``
+    does: a worker held up by a slow batch gets no more until it catches up.
+
     Args:
         pool: The workers (see the module docstring).
         calls: How calls reach them.
@@ -258,6 +263,7 @@ class Dispatcher:
         pool: Pool,
         calls: Calls,
         *,
+        in_order: bool = True,
         method: str,
         describe: Callable[[Any], str],
         between: Callable[[], None],
@@ -271,6 +277,7 @@ class Dispatcher:
         self._between = between
         self._retries = retries
         self._pending: deque[_Request] = deque()
+        self._in_order = in_order
         self._next_worker = first_worker
         #: Send only to the first ``width`` workers (``None``: all); ``num_workers="auto"``
         #: widens it as new workers answer, or narrows it back (their requests still come).
@@ -289,21 +296,32 @@ class Dispatcher:
             self.send(request)
         return False
 
-    def send(self, arg: Any) -> None:
-        """Send one request to the next worker, round-robin."""
+    def send(self, arg: Any, *, tag: Any = None) -> None:
+        """Send one request to the next worker (``tag``: returned by :meth:`collect_tagged`)."""
         actors = self._pool.actors
         if not actors:
             raise stopped_error()
         width = len(actors) if self.width is None else max(1, min(self.width, len(actors)))
         worker_id = self._next_worker % width
+        if not self._in_order:
+            load = [0] * width
+            for request in self._pending:
+                if request.worker_id < width:
+                    load[request.worker_id] += 1
+            turn = [(worker_id + k) % width for k in range(width)]
+            worker_id = min(turn, key=lambda w: load[w])  # the first of the least loaded
         self._next_worker = (worker_id + 1) % width
         actor = actors[worker_id]
         self._pending.append(
-            _Request(self._calls.submit(actor, self._method, arg), arg, worker_id, actor)
+            _Request(self._calls.submit(actor, self._method, arg), arg, worker_id, actor, tag)
         )
 
     def collect(self, *, in_order: bool = True) -> Any:
         """The reply to the oldest request (``in_order``) or to the first one ready."""
+        return self.collect_tagged(in_order=in_order)[1]
+
+    def collect_tagged(self, *, in_order: bool = True) -> tuple[Any, Any]:
+        """``(tag, reply)`` of the oldest request (``in_order``) or of the first one ready."""
         request = self._pending[0] if in_order else self._first_ready()
         while True:
             try:
@@ -323,7 +341,7 @@ class Dispatcher:
                 self._retry_alone(request)
         self._pending.remove(request)
         self._resend_held(request.worker_id)
-        return reply
+        return request.tag, reply
 
     def _retry_alone(self, failed: _Request) -> None:
         actor = self._pool.restart(failed.worker_id, failed.actor)

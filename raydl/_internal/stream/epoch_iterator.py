@@ -107,6 +107,7 @@ class EpochIterator(Iterator[Any]):
         self._closed = False
         self._stalled = False  # a wait timed out
         self.epoch = epoch
+        self.skipped = skip  # consumed before this run of the epoch (a resume)
         self.num_yielded = skip
         self.exhausted = False
         self.stats = EpochStats(epoch=epoch)

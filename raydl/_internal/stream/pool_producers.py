@@ -143,9 +143,12 @@ class MapStyleProducer(PoolProducer):
 
     The sampler is iterated on the trainer's thread, as torch does: ``lookahead``
     requests first, then one per batch taken, so at most ``lookahead`` batches are
-    in flight or waiting. The fetch thread sends each request to the next worker
-    as soon as it arrives and hands the converted replies over in request order
-    (or as they finish, ``in_order=False``). A worker that dies is replaced and
+    in flight or waiting. ``index_iter`` yields ``(position, indices)``: each
+    batch's place in the epoch (a resumed epoch's are not contiguous), which
+    :attr:`handed` records in hand-over order. The fetch thread sends each request
+    to the next worker as soon as it arrives and hands the converted replies over in
+    request order; with ``in_order=False``, as they finish, each request going to
+    the worker with the fewest in flight (torch's rule). A worker that dies is replaced and
     its requests re-sent (see :class:`~raydl._internal.stream.dispatch.Dispatcher`).
     A batch whose loading raised is handed over as an ``ItemError`` in its place.
 
@@ -214,7 +217,10 @@ class MapStyleProducer(PoolProducer):
         self._tuner = tuner  # the fetch thread's (the pool's own replaces it at _PoolReady)
         self._measured = tuner is not None  # the trainer's: tell the fetch thread each wait
         self._epoch = epoch
-        self._held: deque[Any] = deque()  # requests not sent yet (the tuner's depth)
+        self._held: deque[tuple[int, Any]] = deque()  # (position, indices) not sent yet
+        #: The epoch positions of the batches handed over, in hand-over order (the fetch
+        #: thread appends; the trainer reads the first ones it took: a state's record).
+        self.handed: list[int] = []
         self._takes = 0  # batches the trainer took (the first `_handed_here` it loaded)
         self._sent = self._taken = 0  # requests sent to the actors, and of those taken
         self._extra = 0  # requests a device copy stage holds, on top of the tuner's depth
@@ -245,6 +251,7 @@ class MapStyleProducer(PoolProducer):
         self._dispatch = Dispatcher(
             self._pool,
             self._calls,
+            in_order=self._in_order,
             method="fetch",
             describe=describe_indices,
             between=self._between,
@@ -287,12 +294,12 @@ class MapStyleProducer(PoolProducer):
         if self._sampler_done:
             return
         try:
-            indices = next(self._index_iter)
+            request = next(self._index_iter)  # (position, indices)
         except StopIteration:
             self._sampler_done = True
             self._requests.put(END_OF_REQUESTS)
             return
-        self._requests.put(indices)
+        self._requests.put(request)
 
     # -- the fetch thread -----------------------------------------------------------
 
@@ -305,7 +312,9 @@ class MapStyleProducer(PoolProducer):
                 if self._requests_ended and not self._held:
                     return
                 continue
-            self.handoff.put(batch_item(self._dispatch.collect(in_order=self._in_order)))
+            position, reply = self._dispatch.collect_tagged(in_order=self._in_order)
+            self.handed.append(position)
+            self.handoff.put(batch_item(reply))
 
     def _between(self) -> None:
         self._check_stop()
@@ -355,7 +364,8 @@ class MapStyleProducer(PoolProducer):
             return  # still handing requests over to the trainer
         depth = self._tuner.depth + self._extra if self._tuner is not None else None
         while self._held and (depth is None or self._sent - self._taken < depth):
-            self._dispatch.send(self._held.popleft())
+            position, indices = self._held.popleft()
+            self._dispatch.send(indices, tag=position)
             self._sent += 1
 
     # -- the first batches, loaded by the trainer -------------------------------------
@@ -392,7 +402,9 @@ class MapStyleProducer(PoolProducer):
         ):
             worker_id = self._handed_here % self._here_width
             self._handed_here += 1
-            self.handoff.put(LoadHere(self._held.popleft(), worker_id))
+            position, indices = self._held.popleft()
+            self.handed.append(position)
+            self.handoff.put(LoadHere(indices, worker_id))
 
     # -- num_workers="auto" -----------------------------------------------------------
 
