@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 SCRIPT = HERE / "_consume.py"
+EXIT_ORDER = HERE / "_exit_order.py"
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 
 
@@ -243,9 +244,9 @@ def test_raydl_readers_join_rank_0s_cluster_without_raydl_init(
     """Each rank's first Ray call is ``raydl.read_parquet``, with no ``raydl.init()`` before it.
 
     Under torchrun the reader joins rank 0's cluster, so the loader after it runs on the
-    shared path. Before session 19 each rank's reader started an embedded instance of its
-    own and rank 1's first ``iter()`` failed ("rank 1 is connected to the Ray cluster at
-    ..., but rank 0 runs the job's cluster at ...").
+    shared path. A reader that started an embedded instance of its own on each rank would
+    make rank 1's first ``iter()`` fail ("rank 1 is connected to the Ray cluster at ...,
+    but rank 0 runs the job's cluster at ...").
     """
     prefix = tmp_path / "readers"
     proc = _torchrun(
@@ -357,3 +358,43 @@ def test_a_plan_that_fails_on_rank_0_fails_every_rank_with_its_cause(split_runs:
         + errors[0]["error"]
     ), errors
     assert errors[1]["after_s"] < 50, errors[1]  # not the loader's timeout
+
+
+def _running(procs: list[list[int]]) -> list[list[int]]:
+    """Those of ``procs`` (pid, start time) still running (not zombies)."""
+    left = []
+    for pid, start in procs:
+        with contextlib.suppress(OSError):
+            data = Path(f"/proc/{pid}/stat").read_bytes()
+            fields = data[data.rindex(b")") + 2 :].split()
+            if fields[0] not in {b"Z", b"X"} and int(fields[19]) == start:
+                left.append([pid, start])
+    return left
+
+
+@pytest.mark.timeout(180)
+def test_a_job_whose_rank_0_ends_first_exits_0_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0's script ends first; rank 1 stays on rank 0's Ray longer than Ray's 5 s.
+
+    ``_exit_order.py``: rank 1 waits for rank 0's process to end (at most 10 s), then
+    uses Ray 8 s later. Were rank 0's exit to stop its Ray instance at once, Ray would
+    end rank 1's process with status 1 ("Failed to connect to GCS within 5 seconds"),
+    every time. Rank 0's exit waits for rank 1 to leave its cluster instead.
+    """
+    prefix = tmp_path / "exit"
+    proc = _torchrun(str(EXIT_ORDER), str(prefix), timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Failed to connect to GCS" not in proc.stderr, proc.stderr[-5000:]
+    records = {rank: json.loads(Path(f"{prefix}.rank{rank}").read_text()) for rank in (0, 1)}
+    for epoch in range(2):
+        ids = records[0]["epochs"][epoch] + records[1]["epochs"][epoch]
+        assert sorted(ids) == list(range(200)), epoch  # every sample once
+    ends = {rank: json.loads(Path(f"{prefix}.rank{rank}.end").read_text()) for rank in (0, 1)}
+    assert ends[1]["still_on_ray"]  # after rank 0's script had ended
+    procs = ends[0]["procs"] + ends[1]["procs"]
+    assert procs, ends  # rank 0's Ray processes (and its reaper) were seen
+    # Gone once torchrun has returned, give or take the reaper's grace for stragglers.
+    deadline = time.monotonic() + 60
+    while _running(procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _running(procs), _running(procs)

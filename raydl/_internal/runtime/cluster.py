@@ -17,7 +17,8 @@ torchrun's variables as empty (the raylet's environment, which they inherit: a
 job ``runtime_env`` would make Ray start a fresh process per actor), so they do not
 believe they are rank 0; ``os.environ`` of the training process is never changed,
 as another thread of the script may read it meanwhile. Joiners give up on a
-vanished rank-0 cluster after a few seconds instead of Ray's 60.
+vanished rank-0 cluster after a few seconds instead of Ray's 60; so rank 0's exit
+waits for them to leave it first (:mod:`raydl._internal.runtime.rank_exit`).
 
 If the process that started the embedded instance is killed, a small watcher
 process (:mod:`raydl._internal.runtime.reaper`) stops the instance's processes that
@@ -37,7 +38,15 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from raydl._internal.runtime import agent_standin, env, forking, interrupt, reaper, worker_launch
+from raydl._internal.runtime import (
+    agent_standin,
+    env,
+    forking,
+    interrupt,
+    rank_exit,
+    reaper,
+    worker_launch,
+)
 from raydl._internal.runtime.world import Channel, Rendezvous, World
 from raydl.errors import RayDLError
 
@@ -282,6 +291,7 @@ def _ensure_shared_cluster(
             return
         handshake = (ray.get_runtime_context().gcs_address, env.ray_auth_token())
         if rendezvous is not None:
+            rank_exit.hold_until_left(rendezvous)  # before any rank can join
             rendezvous.publish(_CLUSTER_KEY, json.dumps(handshake))
         else:
             Channel.get(world).broadcast(handshake)
@@ -306,7 +316,14 @@ def _ensure_shared_cluster(
                 "from_numpy start one implicitly). Call raydl.init() on every rank before "
                 "creating Ray datasets, or set RAY_ADDRESS to one cluster for all ranks."
             )
+        if rendezvous is not None:
+            rank_exit.arrive(rendezvous)  # connected by the script: it leaves at exit too
         return
+    if rendezvous is not None and not rank_exit.arrive(rendezvous):
+        raise RayDLError(
+            f"rank {world.rank}: rank 0 is exiting and stops the job's Ray cluster, so this "
+            "rank does not join it now. Every rank must use its loaders before rank 0 ends."
+        )
     _ensure_ray(gcs_address, token=token)
 
 

@@ -55,6 +55,15 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
+def started(pid: int) -> int | None:
+    """When the live process ``pid`` started (clock ticks since boot); ``None`` if it is
+    gone, a zombie, or this is not Linux (no ``/proc`` to read)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
+
+
 def _table() -> dict[int, tuple[int, int]]:
     """Every live process: pid -> (parent pid, start time)."""
     table = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +117,8 @@ class Channel:
 
 
 class Rendezvous:
-    """Values rank 0 publishes and the other ranks look up, through torchrun's agent store.
+    """Values the ranks publish and look up, through torchrun's agent store: rank 0's
+    cluster, and who is on it at the job's end (``runtime/rank_exit.py``).
 
     No collective: any thread may use it, in any order against the script's own
     collectives (a broadcast from a background thread on the default process group
@@ -148,9 +149,18 @@ class Rendezvous:
             wait_for_workers=False,
         )
 
-    def publish(self, key: str, value: str) -> None:
-        """Set ``key`` for this run (rank 0)."""
-        self._store(60).set(self._prefix + key, value)
+    def publish(self, key: str, value: str, timeout_s: float = 60) -> None:
+        """Set ``key`` for this run; fail after ``timeout_s`` without torchrun's store."""
+        self._store(timeout_s).set(self._prefix + key, value)
+
+    def peek(self, keys: Iterable[str], timeout_s: float = 10) -> dict[str, str]:
+        """The values of those of ``keys`` that are set now (no wait for the others)."""
+        store = self._store(timeout_s)
+        found = {}
+        for key in keys:
+            if store.check([self._prefix + key]):
+                found[key] = bytes(store.get(self._prefix + key)).decode()
+        return found
 
     def lookup(
         self, key: str, timeout_s: float, *, what: str, stop: Callable[[], bool] = lambda: False
