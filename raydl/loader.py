@@ -32,7 +32,7 @@ from raydl._internal.runtime.world import Channel, World
 from raydl._internal.stream.device import PinMemory, copy_stage, resolve_device
 from raydl._internal.stream.epoch_iterator import EpochIterator
 from raydl._internal.stream.metrics import EpochStats, summarize
-from raydl._internal.torch_args import MAP, RAY, check, with_defaults
+from raydl._internal.torch_args import MAP, RAY, check, check_snapshot_every, with_defaults
 from raydl.options import LoaderOptions
 
 __all__ = ["LoaderOptions", "RayDataLoader"]
@@ -84,6 +84,11 @@ class RayDataLoader(Iterable[Any]):
         persistent_workers: Keep the Ray actors across epochs.
         pin_memory_device: Accepted for compatibility (deprecated in torch).
         in_order: Return batches in sampler order; ``False`` returns them as they finish.
+        snapshot_every_n_steps: torchdata's: how often, in batches, the workers' own
+            state is captured for :meth:`state_dict` when the dataset (or its iterator)
+            is ``Stateful`` (has ``state_dict``/``load_state_dict``); a resume restores
+            the last capture and loads the batches since then again. ``None`` or ``0``:
+            only at each epoch's start.
         seed: See :class:`LoaderOptions`.
         shuffle_mode: See :class:`LoaderOptions`.
         local_shuffle_buffer_size: See :class:`LoaderOptions`.
@@ -137,6 +142,7 @@ class RayDataLoader(Iterable[Any]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        snapshot_every_n_steps: int | None = 1,
         seed: int | None = None,
         shuffle_mode: str = "global",
         local_shuffle_buffer_size: int | None = None,
@@ -167,6 +173,7 @@ class RayDataLoader(Iterable[Any]):
             persistent_workers=persistent_workers,
             multiprocessing_context=multiprocessing_context,
         )
+        check_snapshot_every(snapshot_every_n_steps)
         self.options = LoaderOptions(
             seed=seed,
             shuffle_mode=shuffle_mode,
@@ -195,6 +202,7 @@ class RayDataLoader(Iterable[Any]):
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = args.multiprocessing_context
         self.in_order = in_order
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self.shuffle = args.shuffle
         self.batch_size = args.batch_size
         self.drop_last = args.drop_last
@@ -251,6 +259,7 @@ class RayDataLoader(Iterable[Any]):
                     timeout=timeout,
                     cpu_budget=self.options.cpu_budget,
                     start_in_process=self.options.start_in_process,
+                    snapshot_every_n_steps=snapshot_every_n_steps,
                 ),
                 self._world,
             )
@@ -356,6 +365,9 @@ class RayDataLoader(Iterable[Any]):
             else None,
             num_workers=self._source.state_workers,
             delivered_ahead=ahead or None,
+            worker_snapshot=now.worker_snapshot(consumed, ahead or [])
+            if now is not None
+            else self._source.states_between_epochs(),
         )
         return state.to_dict()
 

@@ -233,6 +233,22 @@ def check(
     )
 
 
+def check_snapshot_every(every: Any) -> None:
+    """torchdata's ``snapshot_every_n_steps``: ``None`` or an int of at least 0."""
+    if every is None:
+        return
+    if not isinstance(every, int) or isinstance(every, bool):
+        raise TypeError(
+            f"snapshot_every_n_steps should be an int or None, got {every!r}; pass e.g. "
+            "snapshot_every_n_steps=1 (every batch) or None (only at each epoch's start)"
+        )
+    if every < 0:
+        raise ValueError(
+            f"snapshot_every_n_steps should be non-negative, got {every!r}; use 0 or None "
+            "to capture the workers' states only at each epoch's start"
+        )
+
+
 def check_multiprocessing_context(context: Any, num_workers: int) -> Any:
     """torch's check of ``multiprocessing_context``; a start method's name becomes its context.
 

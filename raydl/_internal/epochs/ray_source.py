@@ -233,6 +233,10 @@ class RaySource(RankEpochs):
     def load_between_epochs(self, state: LoaderState) -> None:
         """Nothing to take: the next epoch's order follows from (seed, epoch)."""
 
+    def states_between_epochs(self) -> None:
+        """Ray Data stages keep no ``Stateful`` worker state."""
+        return None
+
     def expect(self, epoch: int, *, resume: bool) -> None:
         """The loader's next ``iter()`` runs ``epoch`` (resuming it if ``resume``)."""
         with self._lock:

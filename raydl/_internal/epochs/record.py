@@ -35,6 +35,9 @@ class EpochRecord:
             one (``in_order=False``).
         handed_by: A map-style epoch's producer, whose ``handed`` lists the positions
             of the batches handed over, in hand-over order.
+        states: What snapshots a ``Stateful`` dataset's workers (``snapshot(delivered)``:
+            a :class:`~raydl._internal.stream.worker_states.StateTracker`, or the
+            in-process producer), ``None`` for other datasets.
     """
 
     epoch: int
@@ -46,6 +49,14 @@ class EpochRecord:
     direct: bool = False
     ahead: list[int] = field(default_factory=list)
     handed_by: Any = None
+    states: Any = None
+
+    def worker_snapshot(self, consumed: int, ahead: list[int]) -> dict[str, Any] | None:
+        """The snapshot of the workers' states a state saved now records, if any."""
+        if self.states is None:
+            return None
+        snapshot = self.states.snapshot(consumed - len(ahead))
+        return None if snapshot is None else snapshot.to_dict()
 
     def delivered(self, skip: int, taken: int) -> tuple[int, list[int]]:
         """``(batches_consumed, delivered_ahead)`` once ``taken`` batches of this run were taken.

@@ -42,11 +42,19 @@ Schema (``version`` 4)::
       "delivered_ahead": [int] | null        # map-style, in_order=False: positions in the
                                              # epoch delivered after its first batch not
                                              # delivered yet (counted in batches_consumed)
+      "worker_snapshot": {"step": int, "next_worker": int, "states": [...]} | null
+                                             # Stateful datasets: each worker's own state
+                                             # after the epoch's first ``step`` batches
+                                             # (``stream/worker_states.py``); between
+                                             # epochs, persistent workers' states
+      "sampler_state": {"sampler": ..., "batch_sampler": ...} | null
+                                             # a Stateful sampler's state_dict() at the
+                                             # epoch's start (``sampler_spec``: "other")
     }
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
 consumed, so a resume re-delivers them. Version 4 adds ``epoch_started``,
-``num_workers`` and ``delivered_ahead``; in older states an epoch counts as started when it has an
+``num_workers``, ``delivered_ahead``, ``worker_snapshot`` and ``sampler_state``; in older states an epoch counts as started when it has an
 ``rng`` or consumed batches (their between-epoch states had neither). Version 1 states (no ``batch_size``,
 ``drop_last``, ``progress``, ``order``) still load, at the same world size.
 Version 3 changes what ``direct_execution: true`` means under several ranks: in
@@ -103,6 +111,8 @@ class LoaderState:
     epoch_started: bool | None = None
     num_workers: int | None = None
     delivered_ahead: list[int] | None = None
+    worker_snapshot: dict[str, Any] | None = None
+    sampler_state: dict[str, Any] | None = None
     version: int = STATE_VERSION
 
     @property
@@ -175,6 +185,18 @@ class LoaderState:
             elastic and self.version >= 2 and not self.delivered_ahead
         ):
             pairs.append(("world size", self.world_size, world_size))
+        if (
+            self.worker_snapshot is not None
+            and num_workers is not None
+            and self.num_workers is not None
+            and self.num_workers != num_workers
+        ):
+            raise StateMismatchError(
+                f"cannot load this state: it was saved with num_workers={self.num_workers}, "
+                f"but this loader has num_workers={num_workers}. The dataset is Stateful "
+                "(state_dict/load_state_dict) and the state holds each worker's own copy of "
+                f"its state: build the loader with num_workers={self.num_workers}."
+            )
         if (
             kind == "iterable"
             and self.started

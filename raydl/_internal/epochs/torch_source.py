@@ -49,6 +49,7 @@ from raydl._internal.stream.batching import positioned
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.in_process import InProcessProducer, LengthWatch
 from raydl._internal.stream.pool_producers import IterableProducer, MapStyleProducer
+from raydl._internal.stream.worker_states import Snapshot, StateTracker
 from raydl._internal.torch_args import (
     ITERABLE,
     TorchArgs,
@@ -58,6 +59,7 @@ from raydl._internal.torch_args import (
 from raydl._internal.workers.emulated import EmulatedWorkers
 from raydl._internal.workers.payload import pickle_payload
 from raydl._internal.workers.pool import WorkerPool
+from raydl._internal.workers.stateful import is_stateful
 from raydl._internal.workers.worker import WorkerSpec
 
 
@@ -76,6 +78,7 @@ class TorchSettings:
     ray_address: str | None = None
     timeout: float = 0
     cpu_budget: float | None = None  # num_workers="auto": see LoaderOptions.cpu_budget
+    snapshot_every_n_steps: int | None = 1  # Stateful workers' states: torchdata's meaning
     start_in_process: bool = True  # see LoaderOptions.start_in_process
 
 
@@ -96,6 +99,7 @@ class TorchSource:
         self._tuners: weakref.WeakKeyDictionary[WorkerPool, AutoTuner] = weakref.WeakKeyDictionary()
         self._last_tuner: AutoTuner | None = None  # of the last epoch started
         self._budget: int | None = None  # num_workers="auto": the most workers
+        self._pending_states: list[Any] | None = None  # loaded between epochs, for the next
         # The loader's background start, until an epoch needs Ray (_connect).
         self._startup: BackgroundStart | None = None
         # The first pool, its payload and the trainer's stand-ins for its workers.
@@ -261,9 +265,20 @@ class TorchSource:
         base_seed = self._epoch_seed(resume)
         skip = resume.batches_consumed if resume is not None else 0
         ahead = list(resume.delivered_ahead or []) if resume is not None else []
-        rest = positioned(index_iter, skip, ahead) if index_iter is not None else None
         record.ahead = ahead
-        here = rest is not None and self._may_load_here(lookahead)
+        states = self._state_tracker(resume, ahead)
+        record.states = states
+        # Where this run starts: a Stateful resume at its snapshot (what follows that was
+        # delivered is loaded again and dropped), a map-style one past what was delivered
+        # (nothing loaded again), an iterable one at the epoch's start (re-read, dropped).
+        base = states.base if states is not None else None
+        rest: Iterator[tuple[int, Any]] | None = None
+        if index_iter is not None:
+            start = base.step if base is not None else skip
+            rest = positioned(index_iter, start, [] if base is not None else ahead)
+        else:
+            start = base.step if base is not None else 0
+        here = rest is not None and states is None and self._may_load_here(lookahead)
         if here and self._startup is not None and not self._startup.done and self._spec_known():
             assert rest is not None
             starting = self._before_the_pool(epoch, base_seed, rest)
@@ -285,11 +300,13 @@ class TorchSource:
             producer = IterableProducer(
                 pool,
                 prefetch=prefetch,
-                skip=skip,
+                skip=skip - start,
                 on_close=on_close,
                 shared_seed=shared_seed,
                 watch=self._watch(skip),
+                states=states,
             )
+            record.states = producer.states  # None once its workers said nothing is Stateful
             length = self._length_or_none()
         else:
             # A resumed map-style epoch skips the consumed batches' indices: nothing is
@@ -306,8 +323,52 @@ class TorchSource:
                 epoch=epoch,
                 here=stand_ins,
                 start_of=self._first.actor_start,
+                states=states,
             )
         return EpochStart(producer, record, skip=skip, length=length)
+
+    def _state_tracker(self, resume: LoaderState | None, ahead: list[int]) -> StateTracker | None:
+        """The snapshots of a ``Stateful`` dataset's workers this epoch, ``None`` without any.
+
+        A map-style dataset is stateful when it has ``state_dict``/``load_state_dict``;
+        an iterable one's workers say so as they start (its iterator may be). A
+        resumed epoch starts from its saved snapshot: the batches before it are
+        skipped, those after it that were delivered are loaded again and dropped.
+        """
+        if not self._iterable and not is_stateful(self._dataset):
+            return None
+        tracker = StateTracker(self._settings.snapshot_every_n_steps, self._worker_count())
+        saved = resume.worker_snapshot if resume is not None else None
+        pending, self._pending_states = self._pending_states, None
+        if saved is not None and resume is not None:
+            tracker.base = Snapshot.from_dict(saved)
+            prefix = resume.batches_consumed - len(ahead)
+            delivered = {*range(tracker.base.step, prefix), *ahead}
+            tracker.drop = frozenset(p for p in delivered if p >= tracker.base.step)
+        elif pending is not None:
+            tracker.base = Snapshot(0, 0, pending)  # persistent workers' states between epochs
+        return tracker
+
+    def _worker_count(self) -> int:
+        return self._worker_budget() if self._args.auto_workers else self._settings.num_workers
+
+    def states_between_epochs(self) -> dict[str, Any] | None:
+        """Persistent workers' own states now (a ``Stateful`` map-style dataset), between epochs.
+
+        An ``IterableDataset``'s next epoch starts a new pass, with ``iter()`` on the
+        dataset as built: its state describes a pass and is kept within its epoch only.
+        """
+        if self._pending_states is not None:
+            return Snapshot(0, 0, self._pending_states).to_dict()
+        pool = self._pool
+        if not self._settings.persistent_workers or pool is None or self._iterable:
+            return None
+        if not is_stateful(self._dataset):
+            return None
+        import ray
+
+        states = ray.get([actor.worker_state.remote() for actor in pool.actors])
+        return Snapshot(0, 0, states).to_dict()
 
     def _length_or_none(self) -> int | None:
         try:
@@ -352,6 +413,9 @@ class TorchSource:
         else:
             ahead = (resume.delivered_ahead or []) if resume is not None else []
             index_iter = (indices for _, indices in positioned(index_iter, skip, ahead))
+        # A Stateful dataset saved here goes on from its state after the batches delivered.
+        saved = resume.worker_snapshot if resume is not None else None
+        snapshot = Snapshot.from_dict(saved) if saved is not None else None
         producer = InProcessProducer(
             dataset,
             index_iter,
@@ -359,9 +423,11 @@ class TorchSource:
             auto_collation=args.batch_sampler is not None,
             collate_fn=args.collate_fn,
             drop_last=args.drop_last,
-            skip=skip,
+            skip=skip - snapshot.step if snapshot is not None else skip,
             watch=self._watch(skip) if self._iterable else None,
+            state=snapshot.states[0] if snapshot is not None else None,
         )
+        record.states = producer
         return EpochStart(producer, record, skip=skip, length=length)
 
     # -- workers --------------------------------------------------------------------
@@ -581,6 +647,8 @@ class TorchSource:
         self._restore_rng(state)
         if not self._settings.persistent_workers:
             return
+        if state.worker_snapshot is not None:  # Stateful persistent workers' own states
+            self._pending_states = list(state.worker_snapshot["states"])
         seed = state.worker_seed
         if seed != self._worker_seed and self._pool is not None:
             pool, self._pool = self._pool, None

@@ -318,10 +318,10 @@ class Dispatcher:
 
     def collect(self, *, in_order: bool = True) -> Any:
         """The reply to the oldest request (``in_order``) or to the first one ready."""
-        return self.collect_tagged(in_order=in_order)[1]
+        return self.collect_tagged(in_order=in_order)[2]
 
-    def collect_tagged(self, *, in_order: bool = True) -> tuple[Any, Any]:
-        """``(tag, reply)`` of the oldest request (``in_order``) or of the first one ready."""
+    def collect_tagged(self, *, in_order: bool = True) -> tuple[Any, int, Any]:
+        """``(tag, worker id, reply)`` of the oldest request (``in_order``) or the first one ready."""
         request = self._pending[0] if in_order else self._first_ready()
         while True:
             try:
@@ -341,7 +341,7 @@ class Dispatcher:
                 self._retry_alone(request)
         self._pending.remove(request)
         self._resend_held(request.worker_id)
-        return request.tag, reply
+        return request.tag, request.worker_id, reply
 
     def _retry_alone(self, failed: _Request) -> None:
         actor = self._pool.restart(failed.worker_id, failed.actor)

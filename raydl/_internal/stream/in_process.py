@@ -21,6 +21,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import InlineHandoff, ItemError
+from raydl._internal.stream.worker_states import Snapshot
+from raydl._internal.workers import stateful
 
 
 class LengthWatch:
@@ -100,11 +102,20 @@ class InProcessProducer(Producer):
         drop_last: bool,
         skip: int = 0,
         watch: LengthWatch | None = None,
+        state: dict[str, Any] | None = None,
     ) -> None:
         kind = _DatasetKind.Iterable if iterable else _DatasetKind.Map
+        # A Stateful dataset's saved state (``workers/stateful.py``): the dataset's, then
+        # iter() (the fetcher makes the iterator), then the iterator's, as torchdata does.
+        stateful.restore_dataset(dataset, state)
         self._fetcher = _DatasetKind.create_fetcher(
             kind, dataset, auto_collation, collate_fn, drop_last
         )
+        if iterable:
+            stateful.restore_iterator(self._fetcher.dataset_iter, state)
+            if state is not None and state.get("ended"):
+                self._fetcher.ended = True
+        self._dataset, self._iterable = dataset, iterable
         self._index_iter = index_iter
         self._skip = skip if iterable else 0
         self._watch = watch
@@ -128,3 +139,16 @@ class InProcessProducer(Producer):
     def taken(self, waited: float) -> None:
         if self._watch is not None:
             self._watch.count()
+
+    def snapshot(self, delivered: int) -> Snapshot | None:
+        """The dataset's state after the ``delivered`` batches taken (``None``: not ``Stateful``)."""
+        state = self.worker_state()
+        return None if state is None else Snapshot(delivered, 0, [state])
+
+    def worker_state(self) -> dict[str, Any] | None:
+        """The dataset's (and its iterator's) state after the batches taken so far."""
+        iterator = getattr(self._fetcher, "dataset_iter", None)
+        state = stateful.capture(self._dataset, iterator, iterable=self._iterable)
+        if state is not None and getattr(self._fetcher, "ended", False):
+            state["ended"] = True
+        return state

@@ -40,9 +40,11 @@ from raydl._internal.stream.dispatch import (
 from raydl._internal.stream.epoch_iterator import Producer
 from raydl._internal.stream.handoff import SLICE_S, Handoff, ItemError, Stopped
 from raydl._internal.stream.in_process import LengthWatch
+from raydl._internal.stream.worker_states import NO_STATE, Snapshot, StateTracker
 from raydl._internal.workers.convert import numpy_to_tensors
 from raydl._internal.workers.emulated import EmulatedWorkers
 from raydl._internal.workers.failure import RemoteError
+from raydl._internal.workers.stateful import StateRequest, WithState
 from raydl._internal.workers.worker import EXHAUSTED, InitError, describe_indices, killed_by
 from raydl.errors import WorkerDiedError
 
@@ -191,9 +193,11 @@ class MapStyleProducer(PoolProducer):
         here: EmulatedWorkers | None = None,
         start_of: Callable[[Any], ActorStart] | None = None,
         acquire: Callable[[], tuple[Pool, AutoTuner | None] | None] | None = None,
+        states: StateTracker | None = None,
     ) -> None:
         super().__init__(on_close)
         self.handoff = Handoff()  # bounded by the requests the trainer makes
+        self.states = states  # a Stateful dataset's snapshots (no stand-ins then)
         self._index_iter = index_iter
         self._in_order = in_order
         self._sampler_done = False
@@ -231,7 +235,8 @@ class MapStyleProducer(PoolProducer):
             lookahead = tuner.max_depth + self._extra
         if pool is not None:
             self._set_pool(pool, tuner)
-        for _ in range(max(1, lookahead)):
+        # Batches loaded again and dropped (a resume of Stateful workers) take no place.
+        for _ in range(max(1, lookahead) + (len(states.drop) if states is not None else 0)):
             self._request()
         self.handoff.start(
             self._loop, name="raydl-map-style-fetcher", describe_error=in_torch_words
@@ -243,11 +248,14 @@ class MapStyleProducer(PoolProducer):
             assert self._measured, "a pool with a rule, for a producer built without one"
             self._tuner = tuner
         if self._here is None:
-            self._start_dispatch(first_worker=0)
+            base = self.states.base if self.states is not None else None
+            self._start_dispatch(first_worker=base.next_worker if base is not None else 0)
 
     def _start_dispatch(self, first_worker: int) -> None:
         """Requests go to the actors from now on; the rule, if any, measures from here."""
         assert self._pool is not None
+        if self.states is not None:
+            self._start_states(first_worker)
         self._dispatch = Dispatcher(
             self._pool,
             self._calls,
@@ -262,6 +270,29 @@ class MapStyleProducer(PoolProducer):
             tuner.start_epoch(self._epoch)
             self._dispatch.width = tuner.workers
             self._asked = tuner.workers  # the next worker to ask `ready` of, once wanted
+
+    def _start_states(self, first_worker: int) -> None:
+        """Restore a resumed epoch's worker states, or note a fresh epoch's as its base."""
+        assert self._pool is not None and self.states is not None
+        actors = self._pool.actors
+        base = self.states.base
+        if base is not None:  # queued before any fetch: each actor runs its calls in order
+            for actor, state in zip(actors, base.states, strict=False):
+                self._calls.submit(actor, "load_worker_state", state)
+            return
+        refs = [self._calls.submit(actor, "worker_state") for actor in actors]
+        states = [
+            get_sliced(
+                self._calls,
+                ref,
+                between=self._check_stop,
+                what=lambda: "its state",
+                worker_id=worker_id,
+                retries=0,
+            )
+            for worker_id, ref in enumerate(refs)
+        ]
+        self.states.base = Snapshot(0, first_worker, states)
 
     def summary(self) -> str | None:
         if not self.loaded_here:
@@ -312,7 +343,15 @@ class MapStyleProducer(PoolProducer):
                 if self._requests_ended and not self._held:
                     return
                 continue
-            position, reply = self._dispatch.collect_tagged(in_order=self._in_order)
+            position, worker, reply = self._dispatch.collect_tagged(in_order=self._in_order)
+            if self.states is not None:
+                state = NO_STATE
+                if isinstance(reply, WithState):
+                    reply, state = reply.reply, reply.state
+                self.states.loaded(position, worker, state)
+                if position in self.states.drop:
+                    self._taken += 1  # loaded again for the workers' states alone
+                    continue
             self.handed.append(position)
             self.handoff.put(batch_item(reply))
 
@@ -365,6 +404,8 @@ class MapStyleProducer(PoolProducer):
         depth = self._tuner.depth + self._extra if self._tuner is not None else None
         while self._held and (depth is None or self._sent - self._taken < depth):
             position, indices = self._held.popleft()
+            if self.states is not None and self.states.asks(position):
+                indices = StateRequest(indices)
             self._dispatch.send(indices, tag=position)
             self._sent += 1
 
@@ -460,6 +501,7 @@ class IterableProducer(PoolProducer):
         calls: Calls | None = None,
         shared_seed: int | None = None,
         watch: LengthWatch | None = None,
+        states: StateTracker | None = None,
     ) -> None:
         super().__init__(on_close)
         self._pool = pool
@@ -468,10 +510,23 @@ class IterableProducer(PoolProducer):
         self._skip = skip
         self._watch = watch
         self.handoff = Handoff(maxsize=1)
-        # Started on the trainer's thread, as torch starts its workers' iterators.
-        refs = [self._calls.submit(actor, "start_iteration", shared_seed) for actor in pool.actors]
-        for worker_id, ref in enumerate(refs):
-            self._get(ref, worker_id, what=_start)
+        # Started on the trainer's thread, as torch starts its workers' iterators; a
+        # resume of Stateful workers starts each from its saved state.
+        base = states.base if states is not None else None
+        restore = base.states if base is not None else [None] * len(pool.actors)
+        refs = [
+            self._calls.submit(actor, "start_iteration", shared_seed, state)
+            for actor, state in zip(pool.actors, restore, strict=False)
+        ]
+        initial = [self._get(ref, worker_id, what=_start) for worker_id, ref in enumerate(refs)]
+        if states is not None and base is None:
+            if any(state is not None for state in initial):
+                # A pass starts from a plain iter(): a state taken before its first batch
+                # would describe the last pass, so the epoch's base restores nothing.
+                states.base = Snapshot(0, 0, [None] * len(initial))
+            else:
+                states = None  # nothing in these workers is Stateful
+        self.states = states
         self.handoff.start(self._loop, name="raydl-iterable-fetcher", describe_error=in_torch_words)
 
     def taken(self, waited: float) -> None:
@@ -493,21 +548,40 @@ class IterableProducer(PoolProducer):
             self.handoff.put(batch)
 
     def _batches(self) -> Iterator[Any]:
+        """The workers' batches round-robin (from ``states.base``'s worker on a resume)."""
         actors = self._pool.actors
-        submit = self._calls.submit
-        pending = [deque(submit(a, "next_batch") for _ in range(self._prefetch)) for a in actors]
+        states = self.states
+        base = states.base if states is not None else None
+        position = first = base.step if base is not None else 0
+        calls = [0] * len(actors)  # next_batch calls sent to each worker
+
+        def submit(worker_id: int) -> Any:
+            # The position its reply will most likely have (the round-robin goes on).
+            ahead = (worker_id - (base.next_worker if base else 0)) % len(actors)
+            expected = first + calls[worker_id] * len(active) + ahead
+            calls[worker_id] += 1
+            asks = states is not None and states.asks(expected)
+            return self._calls.submit(actors[worker_id], "next_batch", asks)
+
         active = list(range(len(actors)))
-        cursor = 0
+        pending = [deque(submit(w) for _ in range(self._prefetch)) for w in range(len(actors))]
+        cursor = active.index(base.next_worker) if base is not None else 0
         while active:
             cursor %= len(active)
             worker_id = active[cursor]
             result = self._get(pending[worker_id].popleft(), worker_id)
+            state = NO_STATE
+            if isinstance(result, WithState):
+                result, state = result.reply, result.state
             if isinstance(result, str) and result == EXHAUSTED:
                 pending[worker_id].clear()
                 del active[cursor]
                 continue
-            pending[worker_id].append(submit(actors[worker_id], "next_batch"))
+            pending[worker_id].append(submit(worker_id))
             cursor += 1
+            if states is not None:
+                states.loaded(position, worker_id, state)
+            position += 1
             yield batch_item(result)
 
 

@@ -49,8 +49,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from raydl._internal.workers import allocator
+from raydl._internal.workers import allocator, stateful
 from raydl._internal.workers.failure import RemoteError
+from raydl._internal.workers.stateful import StateRequest, WithState
 
 #: Returned by an iterable worker whose dataset is exhausted.
 EXHAUSTED = "__raydl_exhausted__"
@@ -273,6 +274,8 @@ class DatasetWorker:
         self._spec = spec
         self._init_error: InitError | None = None
         self._iter: Iterator[Any] | None = None
+        self._ended = False  # the iterator is exhausted (kept: its state is the end's)
+        self._iterable = False  # iterating an IterableDataset (start_iteration)
         unpickled, self._unpickled = self._unpickled or self._unpickle(), None
         _complete_serializers()  # for what the payload imported (see _defer_serializers)
         if isinstance(unpickled, Exception):
@@ -304,8 +307,15 @@ class DatasetWorker:
     def ready(self) -> None:
         """Returns once the worker has started (or reset): queued after ``reset``, it waits for it."""
 
-    def fetch(self, indices: Sequence[int] | int) -> Any:
-        """Load and collate one batch of a map-style dataset (or one sample without batching)."""
+    def fetch(self, indices: Sequence[int] | int | StateRequest) -> Any:
+        """Load and collate one batch of a map-style dataset (or one sample without batching).
+
+        A :class:`StateRequest` is answered with the reply and the dataset's state
+        after it (:class:`WithState`; ``Stateful`` datasets, ``workers/stateful.py``).
+        """
+        if isinstance(indices, StateRequest):
+            reply = self.fetch(indices.arg)
+            return WithState(reply, self.worker_state())
         if self._init_error is not None:
             return self._init_error
         try:
@@ -339,34 +349,72 @@ class DatasetWorker:
         """
         rng.apply()
 
-    def start_iteration(self, shared_seed: int | None = None) -> None:
-        """Begin a fresh pass over an ``IterableDataset`` (one per epoch).
+    def worker_state(self) -> dict[str, Any] | None:
+        """The dataset's (and its iterator's) own state now, ``None`` when neither is ``Stateful``."""
+        if self._init_error is not None:
+            return None
+        try:
+            state = stateful.capture(self._dataset, self._iter, iterable=self._iterable)
+        except Exception:
+            self._init_error = InitError(where=f"in Ray worker {self._id} while taking its state")
+            return None
+        if state is not None and self._iterable and self._ended:
+            state["ended"] = True  # its stream ended: a restore yields nothing more
+        return state
+
+    def load_worker_state(self, state: dict[str, Any] | None) -> None:
+        """Restore a map-style dataset's state (``worker_state()`` of the matching worker)."""
+        if self._init_error is not None or state is None:
+            return
+        try:
+            stateful.restore_dataset(self._dataset, state)
+        except Exception:
+            self._init_error = InitError(
+                where=f"in Ray worker {self._id} while loading the dataset's state"
+            )
+
+    def start_iteration(
+        self, shared_seed: int | None = None, state: dict[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """Begin a pass over an ``IterableDataset`` (one per epoch); its state at the start.
 
         ``shared_seed``: the epoch's seed of a DataPipe's shufflers (torch's
-        ``apply_random_seed``), the same in every worker.
+        ``apply_random_seed``), the same in every worker. ``state``: a captured
+        :meth:`worker_state` to go on from: the dataset's state is loaded, then
+        the iterator made, then the iterator's state loaded (torchdata's order).
         """
         self._iter = None
+        self._ended = False
+        self._iterable = True
         if self._init_error is not None:
-            return
+            return None
         dataset = self._dataset
         try:
             if shared_seed is not None:
                 _seed_datapipe(dataset, shared_seed)
+            stateful.restore_dataset(dataset, state)
             self._iter = iter(dataset)
+            stateful.restore_iterator(self._iter, state)
+            self._ended = bool(state and state.get("ended"))
         except Exception:
             self._init_error = InitError(
                 where=f"in Ray worker {self._id} while starting to iterate the dataset"
             )
+        return self.worker_state()
 
-    def next_batch(self) -> Any:
+    def next_batch(self, with_state: bool = False) -> Any:
         """The next batch of an ``IterableDataset``, or :data:`EXHAUSTED`.
 
         An exception of the dataset's iterator is returned for this batch and the
         next call goes on with the same iterator, as a torch worker does.
+        ``with_state``: answer with the worker's state after it (:class:`WithState`).
         """
+        if with_state:
+            reply = self.next_batch()
+            return WithState(reply, self.worker_state())
         if self._init_error is not None:
             return self._init_error
-        if self._iter is None:
+        if self._iter is None or self._ended:
             return EXHAUSTED
         spec = self._spec
         try:
@@ -378,14 +426,14 @@ class DatasetWorker:
                     try:
                         data.append(next(self._iter))
                     except StopIteration:
-                        self._iter = None
+                        self._ended = True
                         break
                 if not data or (spec.drop_last and len(data) < spec.batch_size):
                     raise StopIteration
             if self._collate_fn is not None:
                 data = self._collate_fn(data)
         except StopIteration:
-            self._iter = None
+            self._ended = True
             return EXHAUSTED
         except Exception:
             return RemoteError(where=f"in Ray worker {self._id} while iterating the dataset")
