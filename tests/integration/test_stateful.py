@@ -149,6 +149,7 @@ def test_persistent_stateful_workers_saved_between_epochs_go_on_as_uninterrupted
     dataset: type,
 ) -> None:
     """A map-style dataset's state goes on into the next epoch; an iterable's next pass starts anew."""
+
     def make() -> RayDataLoader:
         return RayDataLoader(dataset(), batch_size=4, num_workers=2, persistent_workers=True)
 
