@@ -323,3 +323,32 @@ def test_in_order_false_state_refuses_another_world_size() -> None:
     loader.close()
     with pytest.raises(StateMismatchError, match=r"saved with world size 2, but this loader has"):
         RayDataLoader(Items(), batch_size=5).load_state_dict(state)
+
+
+class Augmented(Dataset[int]):
+    """Each item draws from the worker's global torch RNG, as random augmentation does."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> int:
+        return 1000 * index + int(torch.randint(1000, ()).item())
+
+
+@pytest.mark.timeout(180)
+def test_persistent_workers_saved_between_epochs_go_on_drawing_where_they_were() -> None:
+    """A persistent worker's RNGs run on across epochs: a resume restores them, not reseeds."""
+
+    def make() -> RayDataLoader:
+        torch.manual_seed(0)
+        return RayDataLoader(Augmented(), batch_size=4, num_workers=2, persistent_workers=True)
+
+    expected = _uninterrupted(make, 2)
+    first = make()
+    list(first)
+    state = _json(first.state_dict())
+    first.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert _flat(resumed) == expected[1]
+    resumed.close()

@@ -43,10 +43,15 @@ class Counting(Dataset[int]):
 
 
 class Stream(IterableDataset[int]):
-    """Each worker streams its own values; a loaded state resumes the next pass (as HF's do)."""
+    """Each worker streams its own values; a loaded state resumes the next pass.
+
+    It follows torchdata's convention: a pass that ends resets the position, so the
+    state between passes describes the start of the next one.
+    """
 
     def __init__(self) -> None:
         self.position = 0
+        self.passes = 0  # passes ended: a state that lives across epochs
         self.resume_from: int | None = None
 
     def __iter__(self) -> Iterator[int]:
@@ -55,13 +60,15 @@ class Stream(IterableDataset[int]):
         self.position, self.resume_from = self.resume_from or 0, None
         while self.position < 30:
             self.position += 1
-            yield 100 * worker + self.position
+            yield 10_000 * self.passes + 100 * worker + self.position
+        self.position = 0
+        self.passes += 1
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
+        return {"position": self.position, "passes": self.passes}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.resume_from = state["position"]
+        self.resume_from, self.passes = state["position"], state["passes"]
 
 
 class StatefulIterator:
@@ -144,14 +151,18 @@ def test_a_stateful_dataset_resumes_exactly(
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("dataset", [Counting, Stream])
-def test_persistent_stateful_workers_saved_between_epochs_go_on_as_uninterrupted(
-    dataset: type,
+def test_stateful_datasets_saved_between_epochs_go_on_as_uninterrupted(
+    dataset: type, num_workers: int
 ) -> None:
-    """A map-style dataset's state goes on into the next epoch; an iterable's next pass starts anew."""
+    """The workers' datasets go on into the next epoch from their states (not their iterators')."""
 
     def make() -> RayDataLoader:
-        return RayDataLoader(dataset(), batch_size=4, num_workers=2, persistent_workers=True)
+        persistent = num_workers > 0  # else each epoch's workers start from the trainer's copy
+        return RayDataLoader(
+            dataset(), batch_size=4, num_workers=num_workers, persistent_workers=persistent
+        )
 
     full = make()
     expected = [_flat(full) for _ in range(2)]
@@ -160,8 +171,7 @@ def test_persistent_stateful_workers_saved_between_epochs_go_on_as_uninterrupted
     list(first)
     state = _json(first.state_dict())
     first.close()
-    assert state["epoch_started"] is False
-    assert (state["worker_snapshot"] is None) is (dataset is Stream)
+    assert state["epoch_started"] is False and state["worker_snapshot"] is not None
     resumed = make()
     resumed.load_state_dict(state)
     assert _flat(resumed) == expected[1]

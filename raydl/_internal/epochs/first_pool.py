@@ -19,7 +19,7 @@ from collections.abc import Callable
 from raydl._internal.stream.dispatch import FIRST_READY_WAIT_S, ActorStart, RayCalls
 from raydl._internal.workers.emulated import MAX_COPIED_BYTES, EmulatedWorkers
 from raydl._internal.workers.pool import WorkerPool
-from raydl._internal.workers.worker import WorkerSpec
+from raydl._internal.workers.worker import RngStates, WorkerSpec
 
 
 class FirstPool:
@@ -98,6 +98,17 @@ class FirstPool:
         if persistent:
             self._persistent = stand_ins
         return stand_ins
+
+    def standing_in(self) -> dict[int, RngStates]:
+        """The RNG states of the persistent pool's workers the trainer still stands in for.
+
+        Until the actors take over, a worker that loaded here goes on from these
+        states, not from its actor's.
+        """
+        stand_ins = self._persistent
+        if stand_ins is None or stand_ins.handed_over:
+            return {}
+        return stand_ins.rng_states()
 
     def forget_stand_ins(self) -> None:
         """The loader stopped its actors: the next persistent pool's workers are new."""

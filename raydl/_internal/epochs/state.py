@@ -116,6 +116,12 @@ class LoaderState:
     version: int = STATE_VERSION
 
     @property
+    def holds_dataset_states(self) -> bool:
+        """Whether the snapshot holds a ``Stateful`` dataset's own state (not RNGs alone)."""
+        states = (self.worker_snapshot or {}).get("states") or []
+        return any(s is not None and ("dataset" in s or "iterator" in s) for s in states)
+
+    @property
     def started(self) -> bool:
         """Whether ``epoch`` was under way: a resume goes on with it (from its start RNG)."""
         if self.epoch_started is not None:
@@ -186,7 +192,7 @@ class LoaderState:
         ):
             pairs.append(("world size", self.world_size, world_size))
         if (
-            self.worker_snapshot is not None
+            self.holds_dataset_states
             and num_workers is not None
             and self.num_workers is not None
             and self.num_workers != num_workers

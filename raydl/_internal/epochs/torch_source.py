@@ -56,6 +56,7 @@ from raydl._internal.torch_args import (
     local_cpu_count,
     warn_excessive_workers,
 )
+from raydl._internal.workers import stateful
 from raydl._internal.workers.emulated import EmulatedWorkers
 from raydl._internal.workers.payload import pickle_payload
 from raydl._internal.workers.pool import WorkerPool
@@ -266,7 +267,8 @@ class TorchSource:
         skip = resume.batches_consumed if resume is not None else 0
         ahead = list(resume.delivered_ahead or []) if resume is not None else []
         record.ahead = ahead
-        states = self._state_tracker(resume, ahead)
+        pending, self._pending_states = self._pending_states, None
+        states = self._state_tracker(resume, ahead, pending)
         record.states = states
         # Where this run starts: a Stateful resume at its snapshot (what follows that was
         # delivered is loaded again and dropped), a map-style one past what was delivered
@@ -278,7 +280,12 @@ class TorchSource:
             rest = positioned(index_iter, start, [] if base is not None else ahead)
         else:
             start = base.step if base is not None else 0
-        here = rest is not None and states is None and self._may_load_here(lookahead)
+        here = (
+            rest is not None
+            and states is None
+            and pending is None  # the workers go on from saved RNGs: no stand-ins for them
+            and self._may_load_here(lookahead)
+        )
         if here and self._startup is not None and not self._startup.done and self._spec_known():
             assert rest is not None
             starting = self._before_the_pool(epoch, base_seed, rest)
@@ -288,10 +295,15 @@ class TorchSource:
                 return EpochStart(starting, record, skip=skip, length=length)
         self._connect()
         pool, on_close = self._epoch_pool(base_seed)
+        if pending is not None and states is None:  # their RNGs (a dataset with no state)
+            for actor, state in zip(pool.actors, pending, strict=False):
+                actor.load_worker_state.remote(state)  # before any fetch: actors run in order
         stand_ins = self._stand_ins_for(pool, base_seed) if here else None
-        if self._settings.timeout > 0:
+        if self._settings.timeout > 0 or self._settings.worker_init_fn is not None:
             # torch's timeout bounds the wait for a batch, not for its workers' start
-            # (torch starts its processes inside iter()): start them here too.
+            # (torch starts its processes inside iter()): start them here too. With a
+            # worker_init_fn (no batch loads here then) its failure is raised by iter(),
+            # as torchdata raises it.
             pool.wait_ready()
         record.worker_seed = self._worker_seed_of_record()
         prefetch = self._settings.prefetch
@@ -327,19 +339,21 @@ class TorchSource:
             )
         return EpochStart(producer, record, skip=skip, length=length)
 
-    def _state_tracker(self, resume: LoaderState | None, ahead: list[int]) -> StateTracker | None:
+    def _state_tracker(
+        self, resume: LoaderState | None, ahead: list[int], pending: list[Any] | None
+    ) -> StateTracker | None:
         """The snapshots of a ``Stateful`` dataset's workers this epoch, ``None`` without any.
 
         A map-style dataset is stateful when it has ``state_dict``/``load_state_dict``;
         an iterable one's workers say so as they start (its iterator may be). A
         resumed epoch starts from its saved snapshot: the batches before it are
         skipped, those after it that were delivered are loaded again and dropped.
+        ``pending``: persistent workers' states saved between epochs, to start from.
         """
         if not self._iterable and not is_stateful(self._dataset):
             return None
         tracker = StateTracker(self._settings.snapshot_every_n_steps, self._worker_count())
         saved = resume.worker_snapshot if resume is not None else None
-        pending, self._pending_states = self._pending_states, None
         if saved is not None and resume is not None:
             tracker.base = Snapshot.from_dict(saved)
             prefix = resume.batches_consumed - len(ahead)
@@ -353,22 +367,32 @@ class TorchSource:
         return self._worker_budget() if self._args.auto_workers else self._settings.num_workers
 
     def states_between_epochs(self) -> dict[str, Any] | None:
-        """Persistent workers' own states now (a ``Stateful`` map-style dataset), between epochs.
+        """What the next epoch starts from, for a state saved between epochs.
 
-        An ``IterableDataset``'s next epoch starts a new pass, with ``iter()`` on the
-        dataset as built: its state describes a pass and is kept within its epoch only.
+        The dataset of ``num_workers=0`` (``Stateful`` datasets), or each persistent
+        worker's ``resting_state``: its global RNGs and its dataset's state. An
+        ``IterableDataset``'s iterators are left out: the next epoch starts a new pass
+        (torchdata's convention: a dataset's state between passes describes the start
+        of the next).
         """
         if self._pending_states is not None:
             return Snapshot(0, 0, self._pending_states).to_dict()
-        pool = self._pool
-        if not self._settings.persistent_workers or pool is None or self._iterable:
+        if self.in_process:
+            state = stateful.capture(self._dataset, None, iterable=False)
+            return None if state is None else Snapshot(0, 0, [state]).to_dict()
+        if not self._settings.persistent_workers:
             return None
-        if not is_stateful(self._dataset):
-            return None
-        import ray
+        pool, standing_in = self._pool, self._first.standing_in()
+        if pool is None and not standing_in:
+            return None  # no epoch ran yet: the workers start seeded
+        states: list[dict[str, Any]] = [{} for _ in range(self._worker_count())]
+        if pool is not None:
+            import ray
 
-        states = ray.get([actor.worker_state.remote() for actor in pool.actors])
-        return Snapshot(0, 0, states).to_dict()
+            states = ray.get([actor.resting_state.remote() for actor in pool.actors])
+        for worker_id, rng in standing_in.items():  # the trainer loaded as these workers
+            states[worker_id]["rng"] = rng.to_json()
+        return Snapshot(0, 0, list(states)).to_dict()
 
     def _length_or_none(self) -> int | None:
         try:
@@ -408,14 +432,21 @@ class TorchSource:
         if isinstance(dataset, (IterDataPipe, MapDataPipe)):
             apply_sharding(dataset, self._world.world_size, self._world.rank)
         skip = resume.batches_consumed if resume is not None else 0
+        # A Stateful dataset's resume starts at its snapshot: the batches since are loaded
+        # again and dropped. Otherwise a map-style resume skips what was delivered, and
+        # an iterable one re-reads it.
+        saved = resume.worker_snapshot if resume is not None else None
+        snapshot = Snapshot.from_dict(saved) if saved is not None else None
+        start = snapshot.step if snapshot is not None else 0
         if index_iter is None:
             index_iter, length = iter(self._index_sampler), self._length_or_none()
         else:
             ahead = (resume.delivered_ahead or []) if resume is not None else []
-            index_iter = (indices for _, indices in positioned(index_iter, skip, ahead))
-        # A Stateful dataset saved here goes on from its state after the batches delivered.
-        saved = resume.worker_snapshot if resume is not None else None
-        snapshot = Snapshot.from_dict(saved) if saved is not None else None
+            if snapshot is None:
+                start = skip
+            else:
+                ahead = []
+            index_iter = (indices for _, indices in positioned(index_iter, start, ahead))
         producer = InProcessProducer(
             dataset,
             index_iter,
@@ -423,9 +454,10 @@ class TorchSource:
             auto_collation=args.batch_sampler is not None,
             collate_fn=args.collate_fn,
             drop_last=args.drop_last,
-            skip=skip - snapshot.step if snapshot is not None else skip,
+            skip=skip - start,
             watch=self._watch(skip) if self._iterable else None,
-            state=snapshot.states[0] if snapshot is not None else None,
+            resume=snapshot,
+            every=self._settings.snapshot_every_n_steps,
         )
         record.states = producer
         return EpochStart(producer, record, skip=skip, length=length)
@@ -436,31 +468,38 @@ class TorchSource:
         """The base seed of the epoch's workers, drawn now where torch draws it.
 
         Persistent workers are seeded once: their seed is drawn by the first epoch
-        (or comes from the resumed state) and kept. A resumed first epoch draws it
-        again, as that epoch did (from the restored RNG: the same seed), so that the
-        sampler's own draws come after it, as they did.
+        (or comes from the resumed state) and kept. A resumed epoch draws it again
+        where that epoch drew it (from the restored RNG: the same seed), so that the
+        sampler's own draws come after it, as they did; a pool seeded otherwise is
+        replaced.
         """
         settings = self._settings
-        draws = self._draws_worker_seed(resume)
+        drawn = self._draw_seed() if self._draws_worker_seed(resume) else None
+        saved = resume.worker_seed if resume is not None else None
+        if settings.persistent_workers and saved is not None:
+            self._reseed_persistent(saved)
+            return saved
         if settings.persistent_workers and self._worker_seed is not None:
             return self._worker_seed
-        saved = resume.worker_seed if resume is not None else None
-        drawn = self._draw_seed() if draws else None
-        base_seed = saved if settings.persistent_workers and saved is not None else drawn
-        assert base_seed is not None  # drawn unless a persistent resume saved it
+        assert drawn is not None  # drawn unless persistent workers have their seed
         if settings.persistent_workers:
-            self._worker_seed = base_seed
-        return base_seed
+            self._worker_seed = drawn
+        return drawn
+
+    def _reseed_persistent(self, seed: int | None) -> None:
+        """Persistent workers take ``seed``; a pool started with another is replaced."""
+        if seed != self._worker_seed and self._pool is not None:
+            pool, self._pool = self._pool, None
+            self._park(pool)
+        self._worker_seed = seed
 
     def _draws_worker_seed(self, resume: LoaderState | None) -> bool:
         """Whether this epoch draws the workers' base seed (torch: persistent ones once)."""
         if not self._settings.persistent_workers:
             return True
-        if self._worker_seed is not None:
-            return False
         if resume is not None and resume.worker_seed is not None:
             return bool((resume.order or {}).get("worker_seed_drawn"))
-        return True
+        return self._worker_seed is None
 
     def _draw_seed(self) -> int:
         """torch's draw of the workers' base seed, from the loader's generator or the global RNG."""
@@ -645,15 +684,13 @@ class TorchSource:
         draws only once (a pool of this loader seeded otherwise is replaced).
         """
         self._restore_rng(state)
+        states = state.worker_snapshot["states"] if state.worker_snapshot is not None else None
+        if self.in_process and states:  # the dataset is this process's own
+            stateful.restore_dataset(self._dataset, states[0])
         if not self._settings.persistent_workers:
             return
-        if state.worker_snapshot is not None:  # Stateful persistent workers' own states
-            self._pending_states = list(state.worker_snapshot["states"])
-        seed = state.worker_seed
-        if seed != self._worker_seed and self._pool is not None:
-            pool, self._pool = self._pool, None
-            self._park(pool)
-        self._worker_seed = seed
+        self._pending_states = list(states) if states is not None else None
+        self._reseed_persistent(state.worker_seed)
 
     def _capture_rng(self) -> dict[str, str]:
         generator = self._settings.generator

@@ -82,13 +82,23 @@ class InProcessProducer(Producer):
         auto_collation: Batches come from a batch sampler.
         collate_fn: torch's collate (or convert) function.
         drop_last: Drop the last incomplete batch (iterable datasets).
-        skip: Batches of an iterable epoch to produce and drop first (a resume;
-            map-style resumes skip indices before this producer sees them).
+        skip: Batches to produce and drop first (a resume: an iterable epoch's consumed
+            batches, or those after a ``Stateful`` dataset's snapshot; map-style resumes
+            skip the other indices before this producer sees them).
         watch: Counts batches for torch's length warning (iterable datasets).
+        resume: A ``Stateful`` dataset's snapshot to go on from (its ``step``: the
+            batches of the epoch before the first this producer fetches).
+        every: ``snapshot_every_n_steps``: the dataset's state is taken after every
+            ``every``-th batch (and at the epoch's start).
 
     A batch whose fetch raises is handed over as an
     :class:`~raydl._internal.stream.handoff.ItemError`: ``next()`` raises it, with
     its traceback, and the following ``next()`` goes on, as in torch.
+
+    A ``Stateful`` map-style dataset may hold torch's global RNG, which the sampler
+    draws the epoch's order from at its first ``next()``: its state is taken, and
+    restored, at the same moments relative to that draw: at the epoch's start
+    (``"at_start"``) before it, after a batch after it.
     """
 
     def __init__(
@@ -102,23 +112,39 @@ class InProcessProducer(Producer):
         drop_last: bool,
         skip: int = 0,
         watch: LengthWatch | None = None,
-        state: dict[str, Any] | None = None,
+        resume: Snapshot | None = None,
+        every: int | None = 1,
     ) -> None:
         kind = _DatasetKind.Iterable if iterable else _DatasetKind.Map
-        # A Stateful dataset's saved state (``workers/stateful.py``): the dataset's, then
-        # iter() (the fetcher makes the iterator), then the iterator's, as torchdata does.
-        stateful.restore_dataset(dataset, state)
+        state = resume.states[0] if resume is not None else None
+        self._restore: dict[str, Any] | None = None  # a map-style state restored at a batch
+        if iterable or (state is not None and state.get("at_start")):
+            stateful.restore_dataset(dataset, state)
+        else:
+            self._restore = state
+        before = stateful.capture(dataset, None, iterable=False)
         self._fetcher = _DatasetKind.create_fetcher(
             kind, dataset, auto_collation, collate_fn, drop_last
         )
+        iterator = getattr(self._fetcher, "dataset_iter", None)
         if iterable:
-            stateful.restore_iterator(self._fetcher.dataset_iter, state)
+            stateful.restore_iterator(iterator, state)  # type: ignore[arg-type]
             if state is not None and state.get("ended"):
                 self._fetcher.ended = True
         self._dataset, self._iterable = dataset, iterable
         self._index_iter = index_iter
-        self._skip = skip if iterable else 0
+        self._skip = skip
         self._watch = watch
+        self._every = every
+        self._position = resume.step if resume is not None else 0
+        self._latest = resume  # the latest snapshot taken (or resumed from)
+        if resume is None:
+            start = (
+                stateful.at_start(before, self._state(), iterator is dataset)
+                if iterable
+                else (None if before is None else {**before, "at_start": True})
+            )
+            self._latest = None if start is None else Snapshot(0, 0, [start])
         self.handoff = InlineHandoff(self._next)
 
     def _next(self) -> Any:
@@ -129,24 +155,30 @@ class InProcessProducer(Producer):
 
     def _fetch(self) -> Any:
         index = next(self._index_iter)  # StopIteration: the epoch ends
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            stateful.restore_dataset(self._dataset, restore)
         try:
-            return self._fetcher.fetch(index)  # an IterableDataset's end: StopIteration
+            batch = self._fetcher.fetch(index)  # an IterableDataset's end: StopIteration
         except StopIteration:
             raise
         except Exception as err:
-            return ItemError(err)
+            batch = ItemError(err)
+        self._position += 1
+        if self._latest is not None and self._every and self._position % self._every == 0:
+            self._latest = Snapshot(self._position, 0, [self._state()])
+        return batch
 
     def taken(self, waited: float) -> None:
         if self._watch is not None:
             self._watch.count()
 
     def snapshot(self, delivered: int) -> Snapshot | None:
-        """The dataset's state after the ``delivered`` batches taken (``None``: not ``Stateful``)."""
-        state = self.worker_state()
-        return None if state is None else Snapshot(delivered, 0, [state])
+        """The latest snapshot of the dataset's state (``None``: the dataset is not ``Stateful``)."""
+        return self._latest
 
-    def worker_state(self) -> dict[str, Any] | None:
-        """The dataset's (and its iterator's) state after the batches taken so far."""
+    def _state(self) -> dict[str, Any] | None:
+        """The dataset's (and its iterator's) state now."""
         iterator = getattr(self._fetcher, "dataset_iter", None)
         state = stateful.capture(self._dataset, iterator, iterable=self._iterable)
         if state is not None and getattr(self._fetcher, "ended", False):

@@ -521,9 +521,7 @@ class IterableProducer(PoolProducer):
         initial = [self._get(ref, worker_id, what=_start) for worker_id, ref in enumerate(refs)]
         if states is not None and base is None:
             if any(state is not None for state in initial):
-                # A pass starts from a plain iter(): a state taken before its first batch
-                # would describe the last pass, so the epoch's base restores nothing.
-                states.base = Snapshot(0, 0, [None] * len(initial))
+                states.base = Snapshot(0, 0, initial)  # where each worker's pass started
             else:
                 states = None  # nothing in these workers is Stateful
         self.states = states

@@ -108,6 +108,10 @@ class EmulatedWorkers:
         self.loaded += 1
         return batch
 
+    def rng_states(self) -> dict[int, RngStates]:
+        """The RNG states of the workers that loaded here so far (no hand-over)."""
+        return dict(self._rng)
+
     def handover(self) -> dict[int, RngStates]:
         """The RNG states of the workers that loaded here, for their actors to go on from.
 

@@ -127,10 +127,15 @@ class WorkerPool:
             actor.reset.remote(spec)
 
     def wait_ready(self) -> None:
-        """Wait until every worker has started (or reset), as torch's ``iter()`` starts its processes."""
+        """Wait until every worker has started (or reset), as torch's ``iter()`` starts its processes.
+
+        Raises the first worker's failure to start (``worker_init_fn``, unpickling).
+        """
         import ray
 
-        ray.get([actor.ready.remote() for actor in self.actors])
+        for failure in ray.get([actor.ready.remote() for actor in self.actors]):
+            if failure is not None:
+                failure.reraise()
 
     def restart(self, worker_id: int, dead: Any) -> Any:
         """Replace the dead actor ``dead`` of worker ``worker_id``; the worker's actor now.

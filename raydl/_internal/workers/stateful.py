@@ -43,6 +43,26 @@ def capture(
     return state or None
 
 
+def at_start(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, own_iterator: bool
+) -> dict[str, Any] | None:
+    """The state a pass starts from: the dataset's before ``iter()``, the iterator's after it.
+
+    ``before``/``after``: :func:`capture` before ``iter()`` (as a map-style dataset) and
+    after it; ``own_iterator``: the dataset is its own iterator (its state is then the
+    iterator's). Restoring this state and calling ``iter()`` starts the same pass: a
+    dataset's state taken after ``iter()`` may already describe the pass under way
+    (torchdata's convention: a dataset resets its position as a pass ends, so its state
+    between passes describes the start of the next).
+    """
+    state: dict[str, Any] = {}
+    if after is not None and "iterator" in after:
+        state["iterator"] = after["iterator"]
+    if before is not None and not own_iterator:
+        state["dataset"] = before["dataset"]
+    return state or None
+
+
 def restore_dataset(dataset: Any, state: dict[str, Any] | None) -> None:
     """Load a captured dataset state (before an iterable dataset's ``iter()``)."""
     if state is not None and "dataset" in state:

@@ -34,6 +34,7 @@ numpy exactly as torch would.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import faulthandler
 import os
@@ -304,8 +305,12 @@ class DatasetWorker:
             self._init_error = InitError(where=f"in worker_init_fn of Ray worker {worker_id}")
         _record_faults()
 
-    def ready(self) -> None:
-        """Returns once the worker has started (or reset): queued after ``reset``, it waits for it."""
+    def ready(self) -> InitError | None:
+        """Returns once the worker has started (or reset): queued after ``reset``, it waits for it.
+
+        Its start's failure (``worker_init_fn``, the payload's unpickling), if any.
+        """
+        return self._init_error
 
     def fetch(self, indices: Sequence[int] | int | StateRequest) -> Any:
         """Load and collate one batch of a map-style dataset (or one sample without batching).
@@ -362,11 +367,24 @@ class DatasetWorker:
             state["ended"] = True  # its stream ended: a restore yields nothing more
         return state
 
+    def resting_state(self) -> dict[str, Any]:
+        """What a persistent worker carries into the next epoch: its RNGs, its dataset's state.
+
+        A ``Stateful`` dataset's state (``"dataset"``, not an iterator's: the next epoch
+        starts a new pass) and the process's global RNG states (``"rng"``), which a
+        persistent worker's next epoch goes on drawing from.
+        """
+        state: dict[str, Any] = {"rng": RngStates.current().to_json()}
+        if self._init_error is None:
+            state.update(stateful.capture(self._dataset, None, iterable=False) or {})
+        return state
+
     def load_worker_state(self, state: dict[str, Any] | None) -> None:
-        """Restore a map-style dataset's state (``worker_state()`` of the matching worker)."""
+        """Restore a map-style dataset's state (``worker_state()`` or ``resting_state()``)."""
         if self._init_error is not None or state is None:
             return
         try:
+            _restore_rngs(state)
             stateful.restore_dataset(self._dataset, state)
         except Exception:
             self._init_error = InitError(
@@ -376,7 +394,8 @@ class DatasetWorker:
     def start_iteration(
         self, shared_seed: int | None = None, state: dict[str, Any] | None = None
     ) -> dict[str, Any] | None:
-        """Begin a pass over an ``IterableDataset`` (one per epoch); its state at the start.
+        """Begin a pass over an ``IterableDataset`` (one per epoch); its state at the start
+        (:func:`~raydl._internal.workers.stateful.at_start`).
 
         ``shared_seed``: the epoch's seed of a DataPipe's shufflers (torch's
         ``apply_random_seed``), the same in every worker. ``state``: a captured
@@ -392,15 +411,18 @@ class DatasetWorker:
         try:
             if shared_seed is not None:
                 _seed_datapipe(dataset, shared_seed)
+            _restore_rngs(state)
             stateful.restore_dataset(dataset, state)
+            before = stateful.capture(dataset, None, iterable=False)  # the pass's start
             self._iter = iter(dataset)
             stateful.restore_iterator(self._iter, state)
             self._ended = bool(state and state.get("ended"))
+            return stateful.at_start(before, self.worker_state(), self._iter is dataset)
         except Exception:
             self._init_error = InitError(
                 where=f"in Ray worker {self._id} while starting to iterate the dataset"
             )
-        return self.worker_state()
+            return None
 
     def next_batch(self, with_state: bool = False) -> Any:
         """The next batch of an ``IterableDataset``, or :data:`EXHAUSTED`.
@@ -438,6 +460,12 @@ class DatasetWorker:
         except Exception:
             return RemoteError(where=f"in Ray worker {self._id} while iterating the dataset")
         return _for_transport(data)
+
+
+def _restore_rngs(state: dict[str, Any] | None) -> None:
+    """The global RNG states a :meth:`DatasetWorker.resting_state` holds, made current."""
+    if state is not None and state.get("rng") is not None:
+        RngStates.from_json(state["rng"]).apply()
 
 
 def load_batch(
@@ -496,6 +524,32 @@ class RngStates:
             np.random.RandomState(numpy_seed).get_state(),
             torch.Generator().manual_seed(seed).get_state(),
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """These states as JSON-able data (:meth:`from_json` reads them back)."""
+        version, internal, gauss = self.python
+        name, keys, pos, has_gauss, cached = self.numpy
+        return {
+            "python": [version, list(internal), gauss],
+            "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+            "torch": None
+            if self.torch is None
+            else base64.b64encode(self.torch.numpy().tobytes()).decode("ascii"),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RngStates:
+        """The states :meth:`to_json` wrote."""
+        version, internal, gauss = data["python"]
+        name, keys, pos, has_gauss, cached = data["numpy"]
+        torch_state = None
+        if data["torch"] is not None:
+            import torch
+
+            raw = bytearray(base64.b64decode(data["torch"]))
+            torch_state = torch.frombuffer(raw, dtype=torch.uint8)
+        numpy_state = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+        return cls((version, tuple(internal), gauss), numpy_state, torch_state)
 
     def apply(self) -> None:
         """Make these this process's states (torch's CPU generator only)."""
