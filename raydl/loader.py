@@ -488,6 +488,7 @@ class RayDataLoader(Iterable[Any]):
             length=started.length,
             timeout=self.timeout,
             on_exhausted=started.on_exhausted,
+            workers=self.num_workers if isinstance(self.num_workers, int) else 0,
         )
         iterator.log_summary = self.options.log_stats
         if resume is not None and not resume.needs_elastic(self._world.world_size):

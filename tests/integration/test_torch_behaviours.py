@@ -148,12 +148,14 @@ def test_an_iterable_worker_goes_on_with_its_iterator_after_an_error() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_a_worker_init_fn_error_still_ends_the_epoch() -> None:
-    it = iter(RayDataLoader(BadAt(8, set()), batch_size=2, num_workers=1, worker_init_fn=fail_init))
+def test_a_worker_init_fn_error_is_raised_by_iter_and_delivers_nothing() -> None:
+    """torchdata raises it from ``iter()`` (torch at the first ``next()``): no batch comes."""
+    loader = RayDataLoader(BadAt(8, set()), batch_size=2, num_workers=1, worker_init_fn=fail_init)
+    delivered = []
     with pytest.raises(RuntimeError, match="Error in worker_init_fn"):
-        next(it)
-    with pytest.raises(StopIteration):
-        next(it)
+        it = iter(loader)
+        delivered.append(next(it))
+    assert delivered == []
 
 
 # ---------------------------------------------------------------- 2. one payload

@@ -19,6 +19,8 @@ it alone:
 from __future__ import annotations
 
 import contextlib
+import gc
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -85,6 +87,7 @@ class EpochIterator(Iterator[Any]):
         length: Batches of the epoch, when known (``len()``).
         timeout: torch's ``timeout``: seconds ``next()`` may wait, ``0`` for no bound.
         on_exhausted: Called once the epoch's last batch was taken (a rank's barrier).
+        workers: The loader's ``num_workers``: :attr:`_workers` has one handle each.
     """
 
     def __init__(
@@ -96,8 +99,11 @@ class EpochIterator(Iterator[Any]):
         length: int | None = None,
         timeout: float = 0,
         on_exhausted: Callable[[], None] | None = None,
+        workers: int = 0,
     ) -> None:
         self._producer = producer
+        self._closed_event = threading.Event()
+        self._workers = [EpochWorker(self._closed_event) for _ in range(workers)]
         self._handoff = producer.handoff
         if producer.delivers_items:
             self._handoff.note_items(note_batch)  # read on the producer's thread, not here
@@ -175,6 +181,7 @@ class EpochIterator(Iterator[Any]):
         if self._closed:
             return
         self._closed = True
+        self._closed_event.set()
         self.stats.finish()
         if self.progress is not None:
             self.progress.close()
@@ -187,3 +194,40 @@ class EpochIterator(Iterator[Any]):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class EpochWorker:
+    """One worker of an epoch, as torch's iterator lists its processes in ``_workers``.
+
+    A handle on the epoch's part of a Ray actor: alive while the epoch runs, ended
+    (``exitcode`` 0) once its iterator is closed, exhausted or dropped. Scripts and
+    torch's own tests join these after ``del``-ing the iterator.
+    """
+
+    pid = None  # the actors are Ray's processes, shared by epochs
+
+    def __init__(self, closed: threading.Event) -> None:
+        self._closed = closed
+
+    def is_alive(self) -> bool:
+        """Whether the epoch still runs."""
+        return not self._closed.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the epoch to end (its iterator closed), at most ``timeout`` seconds.
+
+        A running iterator and its loader refer to each other, so one the script
+        dropped (``del it; w.join()``, as torch's tests do) is closed by the garbage
+        collector's cycle pass: run it first.
+        """
+        if not self._closed.is_set():
+            gc.collect()
+        self._closed.wait(timeout)
+
+    @property
+    def exitcode(self) -> int | None:
+        """``0`` once the epoch ended, ``None`` while it runs (as a live process's)."""
+        return 0 if self._closed.is_set() else None
+
+    def terminate(self) -> None:
+        """Nothing to end here: closing the iterator ends the epoch's work."""
