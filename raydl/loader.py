@@ -352,6 +352,7 @@ class RayDataLoader(Iterable[Any]):
             # Between epochs: the RNG the next epoch will draw its order from.
             rng=now.rng if now is not None else self._source.rng_now(),
             sampler_epoch=now.sampler_epoch if now is not None else None,
+            sampler_state=now.sampler_state if now is not None else self._source.samplers_now(),
             batch_size=self.batch_size,
             drop_last=self.drop_last,
             progress=[[w, k] for w, k in [*now.prior, (self._world.world_size, consumed)]]

@@ -12,8 +12,9 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from raydl import RayDataLoader, StateMismatchError
 
@@ -222,3 +223,51 @@ def test_a_stateful_state_refuses_another_num_workers() -> None:
 def test_a_bad_snapshot_every_n_steps_is_refused(every: Any, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         RayDataLoader(Counting(), snapshot_every_n_steps=every)
+
+
+class EpochSampler(Sampler[int]):
+    """A custom sampler with its own state: each pass's order comes from its own counter."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self) -> Iterator[int]:
+        order = np.random.RandomState(self.passes).permutation(N).tolist()
+        self.passes += 1
+        return iter(order)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.passes = state["passes"]
+
+
+class Plain(Dataset[int]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("taken", [5, None], ids=["mid-epoch", "between-epochs"])
+def test_a_stateful_sampler_resumes_its_own_order(taken: int | None) -> None:
+    def make() -> RayDataLoader:
+        return RayDataLoader(Plain(), batch_size=4, sampler=EpochSampler(), num_workers=0)
+
+    if taken is None:
+        full = make()
+        expected = [_flat(full) for _ in range(3)]
+        first = make()
+        list(first)
+        state = _json(first.state_dict())
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert [_flat(resumed) for _ in range(2)] == expected[1:]
+    else:
+        _resumes_exactly(make, epoch=1, taken=taken)

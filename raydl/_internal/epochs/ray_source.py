@@ -233,6 +233,10 @@ class RaySource(RankEpochs):
     def load_between_epochs(self, state: LoaderState) -> None:
         """Nothing to take: the next epoch's order follows from (seed, epoch)."""
 
+    def samplers_now(self) -> None:
+        """A Ray Data source has no sampler."""
+        return None
+
     def states_between_epochs(self) -> None:
         """Ray Data stages keep no ``Stateful`` worker state."""
         return None

@@ -35,6 +35,7 @@ class EpochRecord:
             one (``in_order=False``).
         handed_by: A map-style epoch's producer, whose ``handed`` lists the positions
             of the batches handed over, in hand-over order.
+        sampler_state: ``Stateful`` samplers' states as the epoch started.
         states: What snapshots a ``Stateful`` dataset's workers (``snapshot(delivered)``:
             a :class:`~raydl._internal.stream.worker_states.StateTracker`, or the
             in-process producer), ``None`` for other datasets.
@@ -50,6 +51,7 @@ class EpochRecord:
     ahead: list[int] = field(default_factory=list)
     handed_by: Any = None
     states: Any = None
+    sampler_state: dict[str, Any] | None = None
 
     def worker_snapshot(self, consumed: int, ahead: list[int]) -> dict[str, Any] | None:
         """The snapshot of the workers' states a state saved now records, if any."""

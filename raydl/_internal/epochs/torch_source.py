@@ -247,7 +247,9 @@ class TorchSource:
         else:
             if resume is not None:
                 self._restore_rng(resume)
+                self._restore_samplers(resume.sampler_state)
             record.rng = self._capture_rng()
+            record.sampler_state = self._capture_samplers()
             shared_seed = self._datapipe_seed()
             record.sampler_epoch = getattr(args.sampler, "epoch", None)
             record.order = {
@@ -684,6 +686,7 @@ class TorchSource:
         draws only once (a pool of this loader seeded otherwise is replaced).
         """
         self._restore_rng(state)
+        self._restore_samplers(state.sampler_state)
         states = state.worker_snapshot["states"] if state.worker_snapshot is not None else None
         if self.in_process and states:  # the dataset is this process's own
             stateful.restore_dataset(self._dataset, states[0])
@@ -691,6 +694,33 @@ class TorchSource:
             return
         self._pending_states = list(states) if states is not None else None
         self._reseed_persistent(state.worker_seed)
+
+    def _stateful_samplers(self) -> dict[str, Any]:
+        """The loader's ``Stateful`` samplers that are not torch's own (whose order the RNG decides)."""
+        args = self._args
+        found = {"sampler": args.sampler, "batch_sampler": args.batch_sampler}
+        return {
+            name: each
+            for name, each in found.items()
+            if each is not None
+            and is_stateful(each)
+            and type(each).__module__.split(".")[0] != "torch"
+        }
+
+    def samplers_now(self) -> dict[str, Any] | None:
+        """``Stateful`` samplers' states now: the next epoch draws its order from them."""
+        return self._capture_samplers()
+
+    def _capture_samplers(self) -> dict[str, Any] | None:
+        """A ``Stateful`` sampler's ``state_dict()`` as the epoch starts (before ``iter()``)."""
+        states = {name: each.state_dict() for name, each in self._stateful_samplers().items()}
+        return states or None
+
+    def _restore_samplers(self, states: dict[str, Any] | None) -> None:
+        """Load the samplers' states an epoch started from, so it draws its order again."""
+        for name, each in self._stateful_samplers().items():
+            if states is not None and name in states:
+                each.load_state_dict(states[name])
 
     def _capture_rng(self) -> dict[str, str]:
         generator = self._settings.generator
