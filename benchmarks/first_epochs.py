@@ -7,7 +7,7 @@ Reads the JPEGs with ``raydl.read_binary_files`` and decodes them in the benchma
 ``decode_stage`` (files mode, ``start_in_process=True``), in a fresh process, so the
 embedded Ray starts here. Prints each epoch's seconds, time to first batch and the
 summary ``stats()`` gives, which says how many of its runs loaded in the training
-process while the actors started (docs/design.md, "The cold path").
+process while the actors started (docs/design/direct-execution.md, "The cold path").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ process's ``/proc/PID/smaps_rollup``; the table shows those figures in MB:
 ``pss`` is what the benchmark's peak adds up, ``private dirty`` what the process
 wrote that no other holds (what it would cost on its own), ``shared dirty`` what it
 shares after writing it (a forked child's inherited pages). Linux only.
-docs/design.md, "The floor", reads such a table.
+docs/design/embedded-runtime.md, "The floor", reads such a table.
 """
 
 from __future__ import annotations

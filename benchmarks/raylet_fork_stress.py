@@ -1,4 +1,4 @@
-"""Reproduce Ray 2.60's raylet abort in ``HandleFreeLocalObjects`` (docs/design.md, Known limits).
+"""Reproduce Ray 2.60's raylet abort in ``HandleFreeLocalObjects`` (docs/design/failure-handling.md, Known limits).
 
 Each round starts a private embedded Ray instance (as the test suite's modules do), runs
 five map-style ``RayDataLoader`` configurations over the tests' ``RandomDraws``, which

@@ -111,7 +111,7 @@ _COMPARE = {
         "For torch's own DataLoader on the same data and order: "
         "python examples/quickstart.py --torch. Items this small, already in memory, "
         "cost little to load either way; raydl pays off when loading and preprocessing "
-        "outgrow the trainer's CPUs (README.md, 'Faster or slower than torch')."
+        "outgrow the trainer's CPUs (README.md, 'When it helps, and when it does not')."
     ),
     "torch": "For raydl on the same data and order: python examples/quickstart.py",
 }

@@ -6,7 +6,7 @@ Example:
 The public names are imported on first use (PEP 562): Ray's worker processes
 import this package to run raydl's own code, and those that run only pyarrow
 and numpy work (the direct path's actors, Ray Data's read tasks) never import
-torch that way (about 130 MB of private memory each; docs/design.md, "Lean").
+torch that way (about 130 MB of private memory each; docs/design/embedded-runtime.md, "Lean").
 """
 
 from __future__ import annotations

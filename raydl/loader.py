@@ -8,7 +8,7 @@ The class is a facade: torch's arguments are checked in ``_internal/torch_args.p
 and each epoch comes from an epoch source chosen once, at construction
 (``_internal/epochs/torch_source.py`` for torch datasets, ``ray_source.py`` for Ray
 Data plans), through the one epoch iterator (``_internal/stream/epoch_iterator.py``).
-See ``docs/design.md`` for how each kind of dataset maps onto Ray.
+See ``docs/design/run-paths.md`` for how each kind of dataset maps onto Ray.
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ class RayDataLoader(Iterable[Any]):
         (per epoch). These are this rank's figures; see :meth:`gather_stats`.
         ``skipped_files``: the files a reader with ``on_bad_file="skip"`` left out
         in this Ray job (``{"path", "reason"}`` each; counted once per file).
-        ``autotune``: what ``"auto"`` decided (docs/design.md, "num_workers='auto'").
+        ``autotune``: what ``"auto"`` decided (docs/design/run-paths.md, "num_workers='auto'").
 
         Example:
             >>> loader.stats()["total"]["stall_fraction"]  # doctest: +SKIP

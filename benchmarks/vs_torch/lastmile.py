@@ -2,7 +2,7 @@
 
 A training script keeps its feature code apart from its model code, and the Ray
 actors that run this work import only this module: numpy, pyarrow and PIL, no
-torch (raydl's direct-path actors then stay lean; docs/design.md, "Lean").
+torch (raydl's direct-path actors then stay lean; docs/design/direct-execution.md, "Lean").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The direct path's actors run pyarrow and numpy work without importing torch or Ray Data.
 
 Importing torch costs a process about 130 MB of private memory, Ray Data about 60 MB
-and a CPU-second (pandas included); a direct-path actor needs neither (docs/design.md,
+and a CPU-second (pandas included); a direct-path actor needs neither (docs/design/direct-execution.md,
 "Lean", "Actors without Ray Data"). The last-mile function reports, from inside the
 actor, whether they are there; the batches still arrive as
 tensors in the trainer, and an error in the actor still has the user's type and
@@ -159,7 +159,7 @@ def test_only_a_plan_ray_data_runs_has_an_embedded_instances_workers_import_it(
 @pytest.mark.timeout(120)
 def test_actors_are_forked_from_the_server_unless_they_need_their_own_environment() -> None:
     """The embedded instance's actors share the fork server's torch and their environment
-    server's Ray (docs/design.md, "Forked workers") and run its threads as a fresh
+    server's Ray (docs/design/embedded-runtime.md, "Forked workers") and run its threads as a fresh
     process's; an actor with a ``runtime_env`` starts as Ray starts it, sharing nothing."""
     if not sys.platform.startswith("linux"):
         pytest.skip("the fork server runs on Linux")
@@ -177,7 +177,7 @@ def test_actors_are_forked_from_the_server_unless_they_need_their_own_environmen
         loader.close()
     assert {s["torch_shared"] for s in seen["forked"]} == {True}, seen["forked"]
     assert {s["torch_shared"] for s in seen["own_env"]} == {False}, seen["own_env"]
-    # Ray too, imported once for the job by its environment server (docs/design.md, "Ray,
+    # Ray too, imported once for the job by its environment server (docs/design/embedded-runtime.md, "Ray,
     # once per job"), under the job's own environment: a worker forked with a Ray imported
     # under another would have died in Ray core's check of its job.
     assert {s["ray_shared"] for s in seen["forked"]} == {True}, seen["forked"]

@@ -2,7 +2,7 @@
 
 Each such batch is loaded as the worker torch would have used (its copy of the
 dataset, its RNG states, ``get_worker_info()``), and the actors go on from those
-states (docs/design.md, "The first batches, loaded by the trainer"): a dataset
+states (docs/design/run-paths.md, "The first batches, loaded by the trainer"): a dataset
 drawing random augmentations gives torch's batches either way.
 """
 
@@ -50,7 +50,7 @@ def _until_on_actors_and_torchs(
         loader.close()
     torch.manual_seed(seed)
     # Spawned, not forked: torch workers forked from this process, which runs a Ray driver,
-    # between raydl loaders crash Ray 2.60's raylet now and then (docs/design.md, Known
+    # between raydl loaders crash Ray 2.60's raylet now and then (docs/design/failure-handling.md, Known
     # limits). torch seeds a spawned worker as a forked one: the same draws.
     torch_loader = DataLoader(RandomDraws(), **args, num_workers=2, multiprocessing_context="spawn")
     theirs = _epochs(torch_loader, False, len(ours), 0)

@@ -7,7 +7,7 @@ among them, nor the raylet's two agents (``runtime/agent_standin.py`` stands in:
 runtime-env agent starts at the first ``runtime_env``), nor ``log_monitor.py`` (a
 thread of the trainer runs it; a worker's output still reaches it), and they come back with
 ``RAYDL_LEAN_RAY=0``; a loader works on the lean
-instance (docs/design.md, "The cold path", Lean). A loader of a torch ``Dataset``
+instance (docs/design/embedded-runtime.md, "The cold path", Lean). A loader of a torch ``Dataset``
 never imports Ray Data into the training process (about 57 MB). Under torchrun's
 variables, the loader's actors leave no Ray worker idle (Ray prestarts none while it
 starts: its driver would wait for them holding the GIL), and see those variables
@@ -329,7 +329,7 @@ def test_actors_import_pydantic_and_pyarrow_only_when_their_work_does() -> None:
 def test_the_trainer_of_a_raydl_read_imports_neither_ray_data_nor_pandas() -> None:
     """raydl's readers return raydl's own plan (a ``FileDataset``), which its loader runs on
     raydl's actors without Ray Data: the training process never imports it, nor pandas
-    (about 55 MB; docs/design.md, "raydl's own plan of a read"), also while its first runs
+    (about 55 MB; docs/design/direct-execution.md, "raydl's own plan of a read"), also while its first runs
     load in the trainer as the actors start."""
     (seen,) = _programs({}, script=RAYDL_READ)
     assert seen["type"] == "FileDataset"

@@ -182,7 +182,7 @@ def test_global_shuffle_of_an_epoch_past_the_object_store_spills_and_stays_bound
     assert "global shuffle" in summary, summary  # it ran on raydl's actors
     assert sorted(seen) == list(range(files)) and seen != sorted(seen)
     report = sampler.report()
-    print(report, summary)  # for docs/design.md
+    print(report, summary)  # for docs/design/shuffle-and-order.md
     assert sampler.samples >= 3, report
     assert sampler.pinned <= CAP, report
     assert max(sampler.spilled, sampler.spill_files) >= CAP // 2, report  # Ray spilled it

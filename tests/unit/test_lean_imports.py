@@ -1,7 +1,7 @@
 """``import raydl`` and the modules raydl's direct-path actors run leave torch unimported.
 
 Those actors run pyarrow and numpy work; torch would cost each about 130 MB of
-private memory (docs/design.md, "Lean"). The public names still import it on use.
+private memory (docs/design/embedded-runtime.md, "Lean"). The public names still import it on use.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class RaySource(RankEpochs):
         """What an embedded instance it starts has its workers import as they start.
 
         Ray Data, for a plan Ray Data runs (its tasks import it; ``cluster.ensure_ray``);
-        nothing for one raydl's actors run, which import no Ray Data (docs/design.md,
+        nothing for one raydl's actors run, which import no Ray Data (docs/design/direct-execution.md,
         "Actors without Ray Data").
         """
         return () if self._direct_at_start is not None else cluster.RAY_DATA_WORKERS
@@ -135,7 +135,7 @@ class RaySource(RankEpochs):
     @property
     def shared_modules(self) -> tuple[str, ...]:
         """What its actors import, for the embedded instance's fork server to share
-        (docs/design.md, "Forked workers"): numpy and pyarrow (reads and stages), never
+        (docs/design/embedded-runtime.md, "Forked workers"): numpy and pyarrow (reads and stages), never
         torch, and pandas unless its direct plan converts without it
         (:attr:`~raydl._internal.epochs.direct.DirectPlan.without_pandas`).
 

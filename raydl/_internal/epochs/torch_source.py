@@ -138,7 +138,7 @@ class TorchSource:
     #: (a preloaded torch measured no sooner), and Ray Data would cost them memory.
     worker_modules: tuple[str, ...] = ()
     #: What its actors import, for the embedded instance's fork server to share: torch
-    #: (the dataset's unpickling, collation) and numpy (docs/design.md, "Forked workers").
+    #: (the dataset's unpickling, collation) and numpy (docs/design/embedded-runtime.md, "Forked workers").
     shared_modules: tuple[str, ...] = ("numpy", "torch")
 
     @property

@@ -6,7 +6,7 @@ records the read and each plain ``map_batches`` call as given, and is what the
 loader's direct path runs (``epochs/direct.py``): nothing of it imports Ray Data, so
 neither does the training process of such a loader (Ray Data and the pandas it
 imports are about 60 MB of a trainer's memory and 0.5 s of its start;
-docs/design.md, "The floor").
+docs/design/direct-execution.md, "The floor").
 
 Everything else a ``ray.data.Dataset`` does is forwarded: :meth:`FileDataset.to_ray`
 builds the same read and stages as a Ray Data plan (once), and any other attribute

@@ -7,7 +7,7 @@ one of raydl's direct-path actors, or in the training process while the actors
 start (``epochs/direct.py``). They are plain picklable objects, and this module
 imports neither Ray Data nor anything that does: a direct-path actor unpickles its
 epoch's reader without importing ``ray.data`` (about 60 MB and a CPU-second per
-process, pandas included; docs/design.md, "Actors without Ray Data").
+process, pandas included; docs/design/direct-execution.md, "Actors without Ray Data").
 
 ``retried``: the messages of the errors a read retries (Ray Data's
 ``DataContext.retried_io_errors``, which also decide what the skip policy may skip);

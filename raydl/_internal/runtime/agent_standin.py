@@ -24,7 +24,7 @@ Either exits when the raylet is gone (its parent changes; the raylet stops its a
 with SIGKILL), and a started agent ends with it (the kernel's parent-death signal). One
 whose agent dies or never comes up exits with the agent's status, so the raylet
 fate-shares with the agent as it would without the stand-in. Started by
-``ray_compat.head.standin_agents``; docs/design.md, "Lean".
+``ray_compat.head.standin_agents``; docs/design/embedded-runtime.md, "Lean".
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ RANK0_START_TIMEOUT_S = 180
 #: ``preload``): Ray Data's tasks unpickle the plan's Ray Data objects, which import
 #: ``ray.data`` (1.1 s in an actor on this project's 2-CPU machine, pandas included), so
 #: workers that import it while the script builds its loader are ready that much sooner
-#: (docs/design.md, "The cold path"). Only for plans Ray Data runs: raydl's direct
+#: (docs/design/embedded-runtime.md, "The cold path"). Only for plans Ray Data runs: raydl's direct
 #: actors import no Ray Data, and an instance a raydl read starts preloads nothing.
 RAY_DATA_WORKERS = ("ray.data",)
 _CLUSTER_KEY = "cluster"
@@ -400,7 +400,7 @@ def _embedded_init(*, preload: tuple[str, ...], one_job: bool, **kwargs: Any) ->
     the dashboard head, with stand-ins for the raylet's two agents, and Ray's log
     monitor on a thread of this process (an idle instance: 99 MB of memory against
     372 MB, and two small stand-ins instead of five Python processes importing Ray;
-    docs/design.md, "Lean"). Its workers import ``preload`` as they start; on Linux they
+    docs/design/embedded-runtime.md, "Lean"). Its workers import ``preload`` as they start; on Linux they
     are forked from raydl's fork server (``runtime/forking.py``; ``RAYDL_FORK_WORKERS=0``
     starts each as a fresh interpreter), which imports Ray itself for ``one_job``.
     """

@@ -32,7 +32,7 @@ terminal's Ctrl-C does not reach it or the workers it forks.
 * ``--in-place`` (a trainer of one rank: one job): this process imports them itself,
   under the first request's environment, and forks every worker of that environment.
   One process instead of two: the pages an environment server and its workers write
-  are no longer kept, unwritten, in this process too (docs/design.md, "Forked
+  are no longer kept, unwritten, in this process too (docs/design/embedded-runtime.md, "Forked
   workers"). A request under another environment (another driver joined the instance)
   goes to an environment server started fresh (``python fork_server.py --inbox FD
   PARENT MODULE...``, :func:`serve_inbox`), as a forked one would get it: this process

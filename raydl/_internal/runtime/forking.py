@@ -5,7 +5,7 @@ gives the raylet the variables that point its launcher (``worker_launch.py``, ru
 in place of Ray's ``setup_worker.py``) at it. The server (``fork_server.py``)
 imports the packages the loaders' actors will import (:func:`share`), so each Ray
 worker forked from it shares their pages instead of importing them again;
-docs/design.md, "Forked workers". Only the instance raydl starts has one: a
+docs/design/embedded-runtime.md, "Forked workers". Only the instance raydl starts has one: a
 cluster raydl joins starts its workers as its raylets were told to.
 
 What to share is each loader's to say, when it is built (``startup.begin_for``):
@@ -33,7 +33,7 @@ from raydl._internal.runtime import fork_server, worker_launch
 __all__ = ["ForkServer", "share", "start", "stop"]
 
 #: What every worker imports under its own environment, imported once per environment:
-#: Ray (docs/design.md, "Forked workers").
+#: Ray (docs/design/embedded-runtime.md, "Forked workers").
 PER_ENV = ("ray",)
 
 _lock = threading.Lock()

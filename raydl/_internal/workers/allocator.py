@@ -25,7 +25,7 @@ the next, and free memory kept never exceeds what the actor once had in use. A
 map-style actor's batches stay under the initial threshold (a 64x3x224x224 float
 batch is 38 MB); raising it there bought nothing but memory (map-style decode
 peaks of 1.0-1.2 GB against 0.9). The cost is that an actor's resident memory
-stays near its high-water mark between batches (docs/design.md, "What an actor's
+stays near its high-water mark between batches (docs/design/embedded-runtime.md, "What an actor's
 process does differently from a torch worker's"). It applies to raydl's actors
 only, never to the training process; there, :func:`release_freed_memory` gives
 back what the trainer's stand-ins freed, and :func:`release_freed_memory_now_and_then`
@@ -136,7 +136,7 @@ def arrow_from_heap() -> str | None:
     Arrow alone, in a 1 GB reservation of its own, beside the heap that already keeps
     freed memory for the next batch: at the peak of the benchmark's small images
     each actor held 9 MB there (44 MB of private memory in all against 35 with
-    the system pool; docs/design.md, "The floor"). A variable the process was
+    the system pool; docs/design/embedded-runtime.md, "The floor"). A variable the process was
     given (``ARROW_DEFAULT_MEMORY_POOL``, the user's choice) is left alone.
 
     Returns:

@@ -6,7 +6,7 @@ original type, with the worker's traceback in the message ("Caught ValueError in
 DataLoader worker process 2. Original Traceback: ..."). :class:`RemoteError` does
 the same without importing torch: raydl's direct-path actors run only pyarrow and
 numpy work, and importing torch costs each of them about 130 MB of private
-memory (docs/design.md, "Lean"). Its ``reraise`` follows torch's rules: a
+memory (docs/design/embedded-runtime.md, "Lean"). Its ``reraise`` follows torch's rules: a
 ``KeyError`` keeps its message readable, an exception type with a ``message``
 keyword gets it, and a type that cannot be built from one string becomes a
 ``RuntimeError`` with the same text.
