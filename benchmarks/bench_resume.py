@@ -9,7 +9,9 @@ For each kind, one process and one warm Ray instance:
 
 ``resume / half`` near 1 means the resume costs nothing beyond the data left;
 above 1 is the price of the start-up (``full - 2 * half`` roughly) and of
-re-creating the skipped part. Map-style datasets
+re-creating the skipped part. An HF ``datasets`` iterable dataset (``Stateful``) is
+resumed from each worker's saved state; it is timed against torchdata's
+``StatefulDataLoader`` on the same data. Map-style datasets
 skip indices without fetching them; iterable datasets and Ray Data pipelines
 re-produce the skipped batches (Ray Data's order is a function of (seed, epoch),
 so the skipped part runs through the pipeline again).
@@ -122,6 +124,91 @@ def measure(name: str, make: Callable[[], raydl.RayDataLoader]) -> dict[str, Any
     return row
 
 
+def hf_iterable(rows: int, shards: int) -> Any:
+    """An HF ``datasets`` iterable dataset (``Stateful``) with a little work per row."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    table = pa.table({"id": np.arange(rows), "x": list(rng.random((rows, 32), dtype=np.float32))})
+    source = datasets.Dataset(table).to_iterable_dataset(num_shards=shards)
+    return source.map(lambda row: {"x": np.cumsum(row["x"]).astype(np.float32)})
+
+
+def measure_hf(name: str, make: Callable[[], Any], rows: int) -> dict[str, Any]:
+    """A resumed HF iterable epoch: a new loader, ``load_state_dict``, to the epoch's end.
+
+    ``make`` builds either contender; each of the ``rows`` samples must arrive exactly
+    once across the two halves.
+    """
+    warm = make()
+    total = sum(1 for _ in warm)  # warm-up: workers, imports, file cache
+    _close(warm)
+    fresh = make()
+    start = time.perf_counter()
+    sum(1 for _ in fresh)
+    full = time.perf_counter() - start
+    _close(fresh)
+    middle = total // 2
+    loader = make()
+    it = iter(loader)
+    seen = [int(i) for _ in range(middle) for i in next(it)["id"]]
+    state = loader.state_dict()
+    _close(loader)
+    resumed = make()
+    start = time.perf_counter()
+    resumed.load_state_dict(state)
+    rest = [int(i) for batch in resumed for i in batch["id"]]
+    resume = time.perf_counter() - start
+    _close(resumed)
+    ids = seen + rest
+    if len(ids) != len(set(ids)) or len(ids) != rows:
+        raise SystemExit(f"{name}: {len(ids)} samples ({len(set(ids))} distinct), not {rows}")
+    row = {"kind": name, "batches": total, "full_s": full, "resume_s": resume}
+    print(f"| {name} | {total} | {middle} | {full:.2f} | {resume:.2f} |")
+    return row
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+
+
+def hf_contenders(rows: int) -> list[dict[str, Any]]:
+    """torchdata's ``StatefulDataLoader`` and raydl on the same HF iterable dataset.
+
+    torchdata runs first, before this process starts Ray: torch's forked workers beside
+    a Ray driver can crash Ray's raylet (README, "Where raydl differs from torch").
+    """
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    print(
+        "| loader | batches/epoch | resumed at batch | fresh full epoch (s) | resume to end (s) |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    rows_out = [
+        measure_hf(
+            "torchdata StatefulDataLoader",
+            lambda: StatefulDataLoader(hf_iterable(rows, 4), batch_size=64, num_workers=2),
+            rows,
+        )
+    ]
+    raydl.init()
+    rows_out.append(
+        measure_hf(
+            "raydl RayDataLoader",
+            lambda: raydl.RayDataLoader(
+                hf_iterable(rows, 4), batch_size=64, num_workers=2, persistent_workers=True
+            ),
+            rows,
+        )
+    )
+    ratio = rows_out[1]["resume_s"] / rows_out[0]["resume_s"]
+    print(f"raydl / torchdata, resumed HF epoch: {ratio:.2f}x (target <= 1.5x)")
+    rows_out.append({"kind": "hf resume ratio raydl/torchdata", "ratio": ratio})
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")
@@ -130,6 +217,7 @@ def main() -> None:
     print("command:", " ".join([sys.executable, *sys.argv]))
     n = 40_000 if args.quick else 200_000
     rows = 1_000_000 if args.quick else 5_000_000
+    hf = hf_contenders(20_000 if args.quick else 100_000)
     raydl.init()
     print(
         "| source | batches/epoch | resumed at batch | fresh full epoch (s) "
@@ -161,7 +249,7 @@ def main() -> None:
         ]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+        (args.out / "results.json").write_text(json.dumps(hf + results, indent=2))
 
 
 if __name__ == "__main__":
