@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from raydl._internal.runtime.world import World
     from raydl.errors import (
         LoaderTimeoutError,
+        NumWorkersMismatchError,
         RayDLError,
         RemoteReadError,
         StateMismatchError,
@@ -50,6 +51,7 @@ _HOMES = {
     "FileDataset": "raydl.sources",
     "LoaderOptions": "raydl.options",
     "LoaderTimeoutError": "raydl.errors",
+    "NumWorkersMismatchError": "raydl.errors",
     "PerEpoch": "raydl.pipelines",
     "RayDLError": "raydl.errors",
     "RayDataLoader": "raydl.loader",
@@ -72,6 +74,7 @@ __all__ = [
     "FileDataset",
     "LoaderOptions",
     "LoaderTimeoutError",
+    "NumWorkersMismatchError",
     "PerEpoch",
     "RayDLError",
     "RayDataLoader",

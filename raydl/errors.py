@@ -58,6 +58,19 @@ class StateMismatchError(RayDLError, ValueError):
     """
 
 
+class NumWorkersMismatchError(StateMismatchError, AssertionError):
+    """A state loaded into a loader with another ``num_workers`` than the epoch it holds needs.
+
+    Raised by the ``iter()`` after ``load_state_dict()``, where torchdata's
+    ``StatefulDataLoader`` raises its ``AssertionError`` (this is one); the loader is
+    left as it was.
+
+    Example:
+        >>> issubclass(NumWorkersMismatchError, AssertionError)
+        True
+    """
+
+
 class RemoteReadError(RayDLError, OSError):
     """A remote read still failed after every retry; the message names endpoint and key.
 

@@ -33,6 +33,7 @@ from raydl._internal.stream.device import PinMemory, copy_stage, resolve_device
 from raydl._internal.stream.epoch_iterator import EpochIterator
 from raydl._internal.stream.metrics import EpochStats, summarize
 from raydl._internal.torch_args import MAP, RAY, check, check_snapshot_every, with_defaults
+from raydl.errors import NumWorkersMismatchError
 from raydl.options import LoaderOptions
 
 __all__ = ["LoaderOptions", "RayDataLoader"]
@@ -266,6 +267,7 @@ class RayDataLoader(Iterable[Any]):
         self._next_epoch = 0
         self._resume: LoaderState | None = None  # an epoch under way to go on with
         self._loaded: LoaderState | None = None  # the state loaded, until the next iter()
+        self._refused: NumWorkersMismatchError | None = None  # raised by the next iter()
         self._iterator: EpochIterator | None = None
         self._record: EpochRecord | None = None  # the last epoch started
         self._stats: list[EpochStats] = []
@@ -416,6 +418,10 @@ class RayDataLoader(Iterable[Any]):
         """Continue from a :meth:`state_dict`: the next ``iter()`` resumes that epoch.
 
         Raises:
+            NumWorkersMismatchError: From the next ``iter()``, as torchdata raises its
+                ``AssertionError`` there: the state holds an ``IterableDataset``'s epoch
+                under way, or a ``Stateful`` dataset's worker states, saved with another
+                ``num_workers`` (the message names both counts).
             StateMismatchError: The state was saved from another kind of dataset, a
                 dataset of another length or batch size, another seed, or another
                 state version; or at another world size by a source that cannot be
@@ -432,15 +438,12 @@ class RayDataLoader(Iterable[Any]):
         the epoch's pipeline once more on rank 0 to find the rows left.
         """
         state = LoaderState.from_dict(state_dict)
-        state.check_matches(
-            kind=self._kind,
-            dataset_len=self._dataset_len(),
-            seed=self._base_seed,
-            world_size=self._world.world_size,
-            batch_size=self.batch_size,
-            elastic=self._kind == RAY or (self._kind == MAP and can_rebuild(state)),
-            num_workers=self._source.state_workers,
-        )
+        self._refused = None
+        try:
+            self._check(state)
+        except NumWorkersMismatchError as err:
+            self._refused = err  # raised by the next iter(), as torchdata raises it there
+            return
         self._close_iterator()
         self._source.discard_early()
         if state.started:
@@ -451,10 +454,25 @@ class RayDataLoader(Iterable[Any]):
         self._loaded = state
         self._expect(state.epoch)
 
+    def _check(self, state: LoaderState) -> None:
+        """Refuse a state this loader cannot resume exactly (errors name both values)."""
+        state.check_matches(
+            kind=self._kind,
+            dataset_len=self._dataset_len(),
+            seed=self._base_seed,
+            world_size=self._world.world_size,
+            batch_size=self.batch_size,
+            elastic=self._kind == RAY or (self._kind == MAP and can_rebuild(state)),
+            num_workers=self._source.state_workers,
+        )
+
     def __len__(self) -> int:
         return self._source.length(self._next_epoch)
 
     def __iter__(self) -> EpochIterator:
+        refused, self._refused = self._refused, None
+        if refused is not None:
+            raise refused
         if self.persistent_workers or self._world.is_distributed:
             # The previous epoch shares this loader's actors or its ranks' collective
             # schedule: it ends here. Otherwise it lives on independently, as in torch.

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from raydl import RayDataLoader, StateMismatchError
+from raydl import NumWorkersMismatchError, RayDataLoader
 
 N = 48
 
@@ -204,12 +204,14 @@ def test_a_stateful_state_refuses_another_num_workers() -> None:
     state = loader.state_dict()
     loader.close()
     other = RayDataLoader(Counting(), batch_size=4, num_workers=3)
+    other.load_state_dict(state)
     with pytest.raises(
-        StateMismatchError,
+        NumWorkersMismatchError,
         match=r"saved with num_workers=2, but this loader has num_workers=3\. The dataset is "
         r"Stateful",
     ):
-        other.load_state_dict(state)
+        iter(other)  # an AssertionError too, as torchdata's
+    other.close()
 
 
 @pytest.mark.timeout(60)

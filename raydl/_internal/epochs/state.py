@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from raydl.errors import StateMismatchError
+from raydl.errors import NumWorkersMismatchError, StateMismatchError
 
 STATE_VERSION = 4
 _READABLE_VERSIONS = (1, 2, 3, 4)
@@ -197,7 +197,7 @@ class LoaderState:
             and self.num_workers is not None
             and self.num_workers != num_workers
         ):
-            raise StateMismatchError(
+            raise NumWorkersMismatchError(
                 f"cannot load this state: it was saved with num_workers={self.num_workers}, "
                 f"but this loader has num_workers={num_workers}. The dataset is Stateful "
                 "(state_dict/load_state_dict) and the state holds each worker's own copy of "
@@ -210,7 +210,7 @@ class LoaderState:
             and num_workers is not None
             and self.num_workers != num_workers
         ):
-            raise StateMismatchError(
+            raise NumWorkersMismatchError(
                 f"cannot load this state: it was saved mid-epoch with num_workers="
                 f"{self.num_workers}, but this loader has num_workers={num_workers}. An "
                 "IterableDataset's epoch is split among its workers (each iterates its own "

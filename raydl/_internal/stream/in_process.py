@@ -122,7 +122,11 @@ class InProcessProducer(Producer):
             stateful.restore_dataset(dataset, state)
         else:
             self._restore = state
-        before = stateful.capture(dataset, None, iterable=False)
+        before = (
+            stateful.before_iter(dataset)
+            if iterable
+            else stateful.capture(dataset, None, iterable=False)
+        )
         self._fetcher = _DatasetKind.create_fetcher(
             kind, dataset, auto_collation, collate_fn, drop_last
         )

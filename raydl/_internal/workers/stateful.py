@@ -43,6 +43,19 @@ def capture(
     return state or None
 
 
+def before_iter(dataset: Any) -> dict[str, Any] | None:
+    """An iterable dataset's state before ``iter()``, for :func:`at_start`.
+
+    ``None`` when it has no state yet: a dataset that is its own iterator may make
+    its state in ``__iter__`` (torchdata never asks it before), and its state is then
+    the iterator's, taken after ``iter()``.
+    """
+    try:
+        return capture(dataset, None, iterable=False)
+    except Exception:
+        return None
+
+
 def at_start(
     before: dict[str, Any] | None, after: dict[str, Any] | None, own_iterator: bool
 ) -> dict[str, Any] | None:

@@ -413,7 +413,7 @@ class DatasetWorker:
                 _seed_datapipe(dataset, shared_seed)
             _restore_rngs(state)
             stateful.restore_dataset(dataset, state)
-            before = stateful.capture(dataset, None, iterable=False)  # the pass's start
+            before = stateful.before_iter(dataset)  # the pass's start
             self._iter = iter(dataset)
             stateful.restore_iterator(self._iter, state)
             self._ended = bool(state and state.get("ended"))
