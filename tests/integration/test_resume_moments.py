@@ -71,6 +71,18 @@ def _maker(
     return make
 
 
+def _resumed(
+    make: Callable[[], RayDataLoader], state: dict[str, Any], epochs: int
+) -> list[list[int]]:
+    """The next ``epochs`` epochs of a new loader that loaded ``state``."""
+    resumed = make()
+    resumed.load_state_dict(state)
+    try:
+        return [_flat(resumed) for _ in range(epochs)]
+    finally:
+        resumed.close()
+
+
 def _uninterrupted(make: Callable[[], RayDataLoader], epochs: int) -> list[list[int]]:
     loader = make()
     try:
@@ -141,11 +153,7 @@ def test_state_at_batch_zero_resumes_that_epoch_in_its_order(
     state = _json(first.state_dict())
     first.close()
     assert (state["epoch"], state["batches_consumed"], state["epoch_started"]) == (1, 0, True)
-    resumed = make()
-    resumed.load_state_dict(state)
-    assert _flat(resumed) == expected[1]
-    assert _flat(resumed) == expected[2]
-    resumed.close()
+    assert _resumed(make, state, 2) == expected[1:]
 
 
 @pytest.mark.timeout(240)
@@ -162,11 +170,7 @@ def test_state_between_epochs_goes_on_with_the_next_epochs_order(
     state = _json(first.state_dict())
     first.close()
     assert (state["epoch"], state["batches_consumed"], state["epoch_started"]) == (1, 0, False)
-    resumed = make()
-    resumed.load_state_dict(state)
-    assert _flat(resumed) == expected[1]
-    assert _flat(resumed) == expected[2]
-    resumed.close()
+    assert _resumed(make, state, 2) == expected[1:]
 
 
 @pytest.mark.timeout(120)

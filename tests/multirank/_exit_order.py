@@ -26,6 +26,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from raydl import RayDataLoader
 from raydl._internal.runtime.cluster import JOINER_RECONNECT_TIMEOUT_S
+from raydl._internal.runtime.reaper import _stat
 
 SAMPLES = 200
 #: Seconds rank 1 waits for rank 0's process to end.
@@ -40,17 +41,6 @@ class Ids(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([float(i)])
-
-
-def _stat(pid: int) -> tuple[int, int] | None:
-    """``(parent pid, start time)`` of a live process (not a zombie), else ``None``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2 :].split()
-    return None if fields[0] in {b"Z", b"X"} else (int(fields[1]), int(fields[19]))
 
 
 def descendants(pid: int) -> list[tuple[int, int]]:
