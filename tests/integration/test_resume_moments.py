@@ -138,13 +138,14 @@ def test_state_taken_right_after_a_load_is_the_loaded_state(persistent: bool) ->
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    ("num_workers", "persistent"),
+    [(0, False), (2, False), (2, True)],
+    ids=["0", "2", "2-persistent"],
+)
 def test_state_at_batch_zero_resumes_that_epoch_in_its_order(
     num_workers: int, persistent: bool
 ) -> None:
-    if num_workers == 0 and persistent:
-        pytest.skip("persistent_workers needs num_workers > 0, as in torch")
     make = _maker(persistent=persistent, with_generator=False, num_workers=num_workers)
     expected = _uninterrupted(make, 3)
     first = make()
