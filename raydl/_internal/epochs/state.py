@@ -54,8 +54,9 @@ Schema (``version`` 4)::
 
 Batches prefetched but not yet returned by ``next()`` are not counted as
 consumed, so a resume re-delivers them. Version 4 adds ``epoch_started``,
-``num_workers``, ``delivered_ahead``, ``worker_snapshot`` and ``sampler_state``; in older states an epoch counts as started when it has an
-``rng`` or consumed batches (their between-epoch states had neither). Version 1 states (no ``batch_size``,
+``num_workers``, ``delivered_ahead``, ``worker_snapshot`` and ``sampler_state``; in
+older states an epoch counts as started when it has an ``rng`` or consumed batches
+(their between-epoch states had neither). Version 1 states (no ``batch_size``,
 ``drop_last``, ``progress``, ``order``) still load, at the same world size.
 Version 3 changes what ``direct_execution: true`` means under several ranks: in
 a streaming mode the epoch's rows were dealt by rank 0 (``deal_ranks.py``); in

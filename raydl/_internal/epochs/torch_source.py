@@ -249,7 +249,7 @@ class TorchSource:
                 self._restore_rng(resume)
                 self._restore_samplers(resume.sampler_state)
             record.rng = self._capture_rng()
-            record.sampler_state = self._capture_samplers()
+            record.sampler_state = self.samplers_now()
             shared_seed = self._datapipe_seed()
             record.sampler_epoch = getattr(args.sampler, "epoch", None)
             record.order = {
@@ -272,16 +272,9 @@ class TorchSource:
         pending, self._pending_states = self._pending_states, None
         states = self._state_tracker(resume, ahead, pending)
         record.states = states
-        # Where this run starts: a Stateful resume at its snapshot (what follows that was
-        # delivered is loaded again and dropped), a map-style one past what was delivered
-        # (nothing loaded again), an iterable one at the epoch's start (re-read, dropped).
-        base = states.base if states is not None else None
-        rest: Iterator[tuple[int, Any]] | None = None
-        if index_iter is not None:
-            start = base.step if base is not None else skip
-            rest = positioned(index_iter, start, [] if base is not None else ahead)
-        else:
-            start = base.step if base is not None else 0
+        rest, start = _where_to_start(
+            index_iter, skip, ahead, states.base if states is not None else None
+        )
         here = (
             rest is not None
             and states is None
@@ -298,8 +291,7 @@ class TorchSource:
         self._connect()
         pool, on_close = self._epoch_pool(base_seed)
         if pending is not None and states is None:  # their RNGs (a dataset with no state)
-            for actor, state in zip(pool.actors, pending, strict=False):
-                actor.load_worker_state.remote(state)  # before any fetch: actors run in order
+            pool.load_states(pending)
         stand_ins = self._stand_ins_for(pool, base_seed) if here else None
         if self._settings.timeout > 0 or self._settings.worker_init_fn is not None:
             # torch's timeout bounds the wait for a batch, not for its workers' start
@@ -387,11 +379,9 @@ class TorchSource:
         pool, standing_in = self._pool, self._first.standing_in()
         if pool is None and not standing_in:
             return None  # no epoch ran yet: the workers start seeded
-        states: list[dict[str, Any]] = [{} for _ in range(self._worker_count())]
-        if pool is not None:
-            import ray
-
-            states = ray.get([actor.resting_state.remote() for actor in pool.actors])
+        states = (
+            pool.resting_states() if pool is not None else [{} for _ in range(self._worker_count())]
+        )
         for worker_id, rng in standing_in.items():  # the trainer loaded as these workers
             states[worker_id]["rng"] = rng.to_json()
         return Snapshot(0, 0, list(states)).to_dict()
@@ -434,21 +424,14 @@ class TorchSource:
         if isinstance(dataset, (IterDataPipe, MapDataPipe)):
             apply_sharding(dataset, self._world.world_size, self._world.rank)
         skip = resume.batches_consumed if resume is not None else 0
-        # A Stateful dataset's resume starts at its snapshot: the batches since are loaded
-        # again and dropped. Otherwise a map-style resume skips what was delivered, and
-        # an iterable one re-reads it.
+        ahead = (resume.delivered_ahead or []) if resume is not None else []
         saved = resume.worker_snapshot if resume is not None else None
         snapshot = Snapshot.from_dict(saved) if saved is not None else None
-        start = snapshot.step if snapshot is not None else 0
-        if index_iter is None:
+        rest, start = _where_to_start(index_iter, skip, ahead, snapshot)
+        if rest is None:
             index_iter, length = iter(self._index_sampler), self._length_or_none()
         else:
-            ahead = (resume.delivered_ahead or []) if resume is not None else []
-            if snapshot is None:
-                start = skip
-            else:
-                ahead = []
-            index_iter = (indices for _, indices in positioned(index_iter, start, ahead))
+            index_iter = (indices for _, indices in rest)
         producer = InProcessProducer(
             dataset,
             index_iter,
@@ -708,11 +691,7 @@ class TorchSource:
         }
 
     def samplers_now(self) -> dict[str, Any] | None:
-        """``Stateful`` samplers' states now: the next epoch draws its order from them."""
-        return self._capture_samplers()
-
-    def _capture_samplers(self) -> dict[str, Any] | None:
-        """A ``Stateful`` sampler's ``state_dict()`` as the epoch starts (before ``iter()``)."""
+        """``Stateful`` samplers' states now (before ``iter()``): an epoch draws its order from them."""
         states = {name: each.state_dict() for name, each in self._stateful_samplers().items()}
         return states or None
 
@@ -761,6 +740,23 @@ class TorchSource:
         for each in [pool, *parked]:
             if each is not None:
                 each.kill()
+
+
+def _where_to_start(
+    index_iter: Iterator[Any] | None, skip: int, ahead: list[int], snapshot: Snapshot | None
+) -> tuple[Iterator[tuple[int, Any]] | None, int]:
+    """Where a run of an epoch starts: its positioned index batches (map-style) and step.
+
+    A ``Stateful`` dataset's resume starts at its snapshot (what was delivered after
+    it is loaded again and dropped); otherwise a map-style resume starts past what was
+    delivered (``skip`` batches, and ``ahead``: nothing loaded again), an iterable one
+    at the epoch's start (what was delivered is read again and dropped).
+    """
+    if index_iter is None:
+        return None, snapshot.step if snapshot is not None else 0
+    if snapshot is not None:
+        return positioned(index_iter, snapshot.step), snapshot.step
+    return positioned(index_iter, skip, ahead), skip
 
 
 def _noting_sampler_epoch(

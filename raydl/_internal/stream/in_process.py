@@ -183,8 +183,9 @@ class InProcessProducer(Producer):
 
     def _state(self) -> dict[str, Any] | None:
         """The dataset's (and its iterator's) state now."""
-        iterator = getattr(self._fetcher, "dataset_iter", None)
-        state = stateful.capture(self._dataset, iterator, iterable=self._iterable)
-        if state is not None and getattr(self._fetcher, "ended", False):
-            state["ended"] = True
-        return state
+        return stateful.capture(
+            self._dataset,
+            getattr(self._fetcher, "dataset_iter", None),
+            iterable=self._iterable,
+            ended=getattr(self._fetcher, "ended", False),
+        )

@@ -137,6 +137,24 @@ class WorkerPool:
             if failure is not None:
                 failure.reraise()
 
+    def load_states(self, states: list[Any]) -> None:
+        """Each worker takes its saved state (``DatasetWorker.load_worker_state``).
+
+        Queued, not awaited: each actor runs its calls in order, so the state is in
+        place before the worker's next fetch.
+        """
+        for actor, state in zip(self.actors, states, strict=False):
+            actor.load_worker_state.remote(state)
+
+    def resting_states(self) -> list[dict[str, Any]]:
+        """Each worker's ``DatasetWorker.resting_state``: what it carries into the next epoch."""
+        import ray
+
+        states: list[dict[str, Any]] = ray.get(
+            [actor.resting_state.remote() for actor in self.actors]
+        )
+        return states
+
     def restart(self, worker_id: int, dead: Any) -> Any:
         """Replace the dead actor ``dead`` of worker ``worker_id``; the worker's actor now.
 

@@ -29,9 +29,13 @@ def is_stateful(obj: Any) -> bool:
 
 
 def capture(
-    dataset: Any, iterator: Iterator[Any] | None, *, iterable: bool
+    dataset: Any, iterator: Iterator[Any] | None, *, iterable: bool, ended: bool = False
 ) -> dict[str, Any] | None:
-    """A worker's state now, or ``None`` when nothing in it is stateful."""
+    """A worker's state now, or ``None`` when nothing in it is stateful.
+
+    ``ended``: the iterator is exhausted; the state says so (``"ended"``), so that a
+    restore yields nothing more from it.
+    """
     state: dict[str, Any] = {}
     if iterable:
         if iterator is not None and is_stateful(iterator):
@@ -40,6 +44,8 @@ def capture(
             state["dataset"] = dataset.state_dict()
     elif is_stateful(dataset):
         state["dataset"] = dataset.state_dict()
+    if state and iterable and ended:
+        state["ended"] = True
     return state or None
 
 

@@ -359,13 +359,12 @@ class DatasetWorker:
         if self._init_error is not None:
             return None
         try:
-            state = stateful.capture(self._dataset, self._iter, iterable=self._iterable)
+            return stateful.capture(
+                self._dataset, self._iter, iterable=self._iterable, ended=self._ended
+            )
         except Exception:
             self._init_error = InitError(where=f"in Ray worker {self._id} while taking its state")
             return None
-        if state is not None and self._iterable and self._ended:
-            state["ended"] = True  # its stream ended: a restore yields nothing more
-        return state
 
     def resting_state(self) -> dict[str, Any]:
         """What a persistent worker carries into the next epoch: its RNGs, its dataset's state.
